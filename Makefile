@@ -1,0 +1,28 @@
+# Two commands on a fresh machine:  `make compare` (main job)  and  `make test`.
+PYTHON ?= python3
+TORCH_VERSION ?= 2.13.0
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: venv test compare bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+test: venv
+	$(PY) -m pytest -q tests
+
+compare: venv
+	$(PY) -m lit.compare
+
+bench: venv
+	$(PY) -m benchmarks.mask_build
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -1,0 +1,25 @@
+"""flexmoba: MoBA (Mixture of Block Attention) as a dynamic FlexAttention BlockMask.
+
+Tensors are ``[B, H, S, D]``; keys and values may have fewer heads (``H % H_kv == 0``).
+"""
+
+from flexmoba.attention import compiled_flex_attention, moba_attention
+from flexmoba.block_mask import moba_block_mask, selection_block_mask
+from flexmoba.masks import dense_moba_mask, moba_mask_mod
+from flexmoba.reference import moba_reference
+from flexmoba.selection import Selection, moba_selection, select_chunks
+from flexmoba.varlen import moba_attention_varlen
+
+__all__ = [
+    "Selection",
+    "compiled_flex_attention",
+    "dense_moba_mask",
+    "moba_attention",
+    "moba_attention_varlen",
+    "moba_block_mask",
+    "moba_mask_mod",
+    "moba_reference",
+    "moba_selection",
+    "select_chunks",
+    "selection_block_mask",
+]

@@ -1,0 +1,123 @@
+"""Input validation shared by the public API.
+
+Every check raises ``ValueError`` or ``TypeError`` with the offending parameter's
+name, so bad input never turns into a silently wrong attention output.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+BACKENDS = ("auto", "flex", "sdpa")
+
+
+def check_positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return int(value)
+
+
+def check_granularity(granularity, chunk_size: int) -> str | int:
+    """``"token"`` or a positive int ``g`` that divides ``chunk_size``."""
+    if granularity == "token":
+        return granularity
+    if isinstance(granularity, str):
+        raise ValueError(f"granularity must be 'token' or a positive int, got {granularity!r}")
+    g = check_positive_int(granularity, "granularity")
+    if chunk_size % g != 0:
+        raise ValueError(
+            f"granularity={g} must divide chunk_size={chunk_size}: a tile of queries shares "
+            "one selection, so it must not straddle a chunk boundary"
+        )
+    return g
+
+
+def check_backend(backend) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def check_scale(scale) -> float | None:
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    return float(scale)
+
+
+def _check_tensor(x, name: str, ndim: int) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+
+
+def check_qk(q, k) -> None:
+    """``q: [B, H, S, D]``, ``k: [B, H_kv, S, D]`` with ``H % H_kv == 0``."""
+    _check_tensor(q, "q", 4)
+    _check_tensor(k, "k", 4)
+    if k.device != q.device:
+        raise ValueError(f"k is on {k.device} but q is on {q.device}")
+    if k.dtype != q.dtype:
+        raise TypeError(f"k has dtype {k.dtype} but q has {q.dtype}")
+    B, H, S, D = q.shape
+    if k.shape[0] != B or k.shape[2] != S or k.shape[3] != D:
+        raise ValueError(
+            f"k must be [B, H_kv, S, D] = [{B}, H_kv, {S}, {D}] to match q, got {tuple(k.shape)}"
+        )
+    if S < 1:
+        raise ValueError("q must hold at least one position (S >= 1)")
+    if H % k.shape[1] != 0:
+        raise ValueError(f"q heads ({H}) must be a multiple of k heads ({k.shape[1]}) (H % H_kv == 0)")
+
+
+def check_qkv(q, k, v) -> None:
+    check_qk(q, k)
+    _check_tensor(v, "v", 4)
+    if v.device != q.device:
+        raise ValueError(f"v is on {v.device} but q is on {q.device}")
+    if v.dtype != q.dtype:
+        raise TypeError(f"v has dtype {v.dtype} but q has {q.dtype}")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v must be [B, H_kv, S, Dv] like k {tuple(k.shape[:3])}, got {tuple(v.shape)}")
+
+
+def check_document_ids(document_ids, q) -> None:
+    """``document_ids: [B, S]`` integer tensor on q's device (or None)."""
+    if document_ids is None:
+        return
+    if not isinstance(document_ids, torch.Tensor):
+        raise TypeError(f"document_ids must be a torch.Tensor, got {type(document_ids).__name__}")
+    if document_ids.is_floating_point() or document_ids.dtype == torch.bool or document_ids.is_complex():
+        raise TypeError(f"document_ids must be an integer tensor, got {document_ids.dtype}")
+    B, _, S, _ = q.shape
+    if tuple(document_ids.shape) != (B, S):
+        raise ValueError(f"document_ids must be [B, S] = [{B}, {S}], got {tuple(document_ids.shape)}")
+    if document_ids.device != q.device:
+        raise ValueError(f"document_ids is on {document_ids.device} but q is on {q.device}")
+
+
+def check_cu_seqlens(cu_seqlens, total_tokens: int, device: torch.device) -> None:
+    """flash-attn layout: int tensor ``[n_docs + 1]``, 0, strictly increasing, ending at T."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool:
+        raise TypeError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {device}")
+    bounds = cu_seqlens.tolist()  # one small host read; flash-attn's varlen API does the same
+    if bounds[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {bounds[0]}")
+    if any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must be strictly increasing, got {bounds}")
+    if bounds[-1] != total_tokens:
+        raise ValueError(f"cu_seqlens must end at the number of tokens {total_tokens}, got {bounds[-1]}")

@@ -1,0 +1,146 @@
+"""MoBA selection -> FlexAttention ``BlockMask``, built straight from block tables.
+
+FlexAttention tiles queries into blocks of ``Bq`` and keys into blocks of ``Bk``. For a
+(query tile, key block) pair the kernel needs one of three answers: skip it, run it with
+the mask_mod ("partial"), or run it without the mask_mod ("full": every query of the tile
+attends every key of the block). We get them exactly by counting attended (query, key)
+pairs per tile x block:
+
+    pairs == tile_len * block_len  ->  full
+    0 < pairs < tile_len * block_len ->  partial
+    pairs == 0                      ->  skipped
+
+Each query attends at most ``top_k`` disjoint key intervals (its selected past chunks,
+whole, and its own chunk up to itself). An interval adds its overlap to the blocks it
+touches: its two end blocks directly, the blocks strictly between them by a difference
+array. The cost is O(B·H·S·top_k) scatters plus O(B·H·(S/Bq)·(S/Bk)) for the tables:
+no ``S x S`` tensor, no Python loop over positions, no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from flexmoba import _checks
+from flexmoba.masks import moba_mask_mod
+from flexmoba.selection import Selection, _check_selection_args, select_chunks
+
+DEFAULT_BLOCK_SIZE = 128  # a multiple of the GPU kernel's tile; the CPU kernel takes any
+
+
+def key_intervals(selection: Selection) -> tuple[torch.Tensor, torch.Tensor]:
+    """Half-open key intervals ``[start, end)`` each query attends: ``[B, H, S, P + 1]`` each.
+
+    Slot ``P`` is the own chunk, cut at the query (causal); unused past slots are empty.
+    """
+    layout = selection.layout
+    B, H, S, _ = selection.chunks.shape
+    c = layout.chunk_size
+    doc_start = layout.doc_start[:, None, :, None]  # [B, 1, S, 1]
+    past_start = torch.where(selection.past_valid, doc_start + selection.past_chunks * c, 0)
+    past_end = torch.where(selection.past_valid, past_start + c, 0)
+    own_start = layout.chunk_start[:, None, :, None].expand(B, H, S, 1)
+    own_end = torch.arange(1, S + 1, device=own_start.device)[:, None].expand(B, H, S, 1)
+    return torch.cat([past_start, own_start], -1), torch.cat([past_end, own_end], -1)
+
+
+def attended_pairs(starts: torch.Tensor, ends: torch.Tensor, block_size: tuple[int, int]) -> torch.Tensor:
+    """``[B, H, S, K]`` disjoint-per-query intervals -> ``[B, H, S/Bq, S/Bk]`` int64 pair counts."""
+    Bq, Bk = block_size
+    B, H, S, K = starts.shape
+    n_tiles, n_blocks = -(-S // Bq), -(-S // Bk)
+    width = n_blocks + 1  # one spare column for the difference array
+    device = starts.device
+
+    tile = torch.arange(S, device=device) // Bq
+    head_row = torch.arange(B * H, device=device).view(B, H, 1) * n_tiles
+    row = ((head_row + tile) * width)[..., None]  # [B, H, S, 1]: flat offset of (b, h, tile, 0)
+
+    nonempty = ends > starts
+    first_block = starts // Bk
+    last_block = (ends - 1).clamp(min=0) // Bk
+    one_block = first_block == last_block
+    first_len = torch.where(one_block, ends - starts, (first_block + 1) * Bk - starts) * nonempty
+    last_len = torch.where(one_block, 0, ends - last_block * Bk) * nonempty
+    spans = (~one_block & nonempty).long()  # blocks strictly inside get Bk each
+
+    lengths = torch.zeros(B * H * n_tiles * width, dtype=torch.long, device=device)
+    lengths.index_add_(0, (row + first_block).flatten(), first_len.flatten())
+    lengths.index_add_(0, (row + last_block).flatten(), last_len.flatten())
+    inside = torch.zeros_like(lengths)
+    inside.index_add_(0, (row + first_block + 1).flatten(), spans.flatten())
+    inside.index_add_(0, (row + last_block).flatten(), -spans.flatten())
+
+    lengths = lengths.view(B, H, n_tiles, width)
+    inside = inside.view(B, H, n_tiles, width).cumsum(-1)
+    return (lengths + inside * Bk)[..., :n_blocks]
+
+
+def _ordered_table(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, H, T, N]`` bool -> (count ``[B, H, T]``, indices ``[B, H, T, N]``), both int32.
+
+    The listed blocks come first, in increasing order; the rest pad the row.
+    """
+    count = blocks.sum(-1, dtype=torch.int32)
+    indices = torch.argsort((~blocks).to(torch.uint8), dim=-1, stable=True).to(torch.int32)
+    return count, indices
+
+
+def block_tables(selection: Selection, block_size: tuple[int, int]):
+    """``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)`` for the selection."""
+    Bq, Bk = block_size
+    S = selection.chunks.shape[2]
+    pairs = attended_pairs(*key_intervals(selection), block_size)
+    positions = torch.arange(S, device=pairs.device)
+    tile_len = torch.bincount(positions // Bq)
+    block_len = torch.bincount(positions // Bk)
+    full = pairs == tile_len[:, None] * block_len[None, :]
+    partial = (pairs > 0) & ~full
+    return (*_ordered_table(partial), *_ordered_table(full))
+
+
+def selection_block_mask(selection: Selection, block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE) -> BlockMask:
+    """The ``BlockMask`` of an already computed :class:`Selection`."""
+    if isinstance(block_size, int):
+        block_size = (block_size, block_size)
+    Bq, Bk = (_checks.check_positive_int(b, "block_size") for b in block_size)
+    S = selection.chunks.shape[2]
+    kv_num, kv_idx, full_num, full_idx = block_tables(selection, (Bq, Bk))
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=(Bq, Bk),
+        mask_mod=moba_mask_mod(selection),
+        seq_lengths=(S, S),
+    )
+
+
+def moba_block_mask(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    chunk_size: int,
+    top_k: int,
+    granularity="token",
+    document_ids: torch.Tensor | None = None,
+    block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
+) -> BlockMask:
+    """Gate ``q`` against ``k`` and return the MoBA ``BlockMask`` for ``flex_attention``.
+
+    Args:
+        q: ``[B, H, S, D]``; k: ``[B, H_kv, S, D]``.
+        chunk_size, top_k, granularity, document_ids: as in :func:`moba_selection`.
+        block_size: FlexAttention's ``(Q, KV)`` block (an int for both). On GPU keep it a
+            multiple of 128; the CPU kernel accepts any size.
+
+    The mask's ``mask_mod`` encodes the whole selection; its tables mark a block "full"
+    only when every query of the tile attends every key of the block.
+    """
+    chunk_size, top_k, granularity = _check_selection_args(q, k, chunk_size, top_k, granularity, document_ids)
+    selection = select_chunks(
+        q, k, chunk_size=chunk_size, top_k=top_k, granularity=granularity, document_ids=document_ids
+    )
+    return selection_block_mask(selection, block_size)

@@ -1,0 +1,40 @@
+"""Dense-mask MoBA: the plain math, for checking every faster path against."""
+
+from __future__ import annotations
+
+import torch
+
+from flexmoba import _checks
+from flexmoba.masks import dense_moba_mask
+from flexmoba.selection import _check_selection_args, select_chunks
+
+
+def moba_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    chunk_size: int,
+    top_k: int,
+    granularity="token",
+    scale: float | None = None,
+    document_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """MoBA as ``softmax(q k^T * scale + mask) v`` in fp32; differentiable, any device.
+
+    ``q: [B, H, S, D]``, ``k, v: [B, H_kv, S, D]`` -> ``[B, H, S, D]`` in q's dtype.
+    """
+    chunk_size, top_k, granularity = _check_selection_args(q, k, chunk_size, top_k, granularity, document_ids)
+    _checks.check_qkv(q, k, v)
+    scale = _checks.check_scale(scale)
+    selection = select_chunks(
+        q, k, chunk_size=chunk_size, top_k=top_k, granularity=granularity, document_ids=document_ids
+    )
+    mask = dense_moba_mask(selection)  # [B, H, S, S]
+    group = q.shape[1] // k.shape[1]
+    k32 = k.float().repeat_interleave(group, dim=1)
+    v32 = v.float().repeat_interleave(group, dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    logits = (q.float() @ k32.transpose(-1, -2)) * scale
+    probs = logits.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return (probs @ v32).to(q.dtype)

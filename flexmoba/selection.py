@@ -1,0 +1,159 @@
+"""MoBA gating: which chunks each query attends.
+
+For a query at position t of a document (per head):
+
+    score[j] = q_t . mean(k over chunk j)          (fp32, no scale, no gradient)
+    own      = the chunk holding t                  (always attended, causal inside)
+    past     = top_k - 1 highest-scoring chunks j < own (all of them if fewer)
+
+Chunks after ``own`` are never attended. A past chunk whose score is NaN or -inf (from
+non-finite inputs) is never selected, so a non-finite key cannot win a slot by accident;
+the query then attends fewer chunks. Non-finite values still reach the output through
+the chunks that are attended (the own chunk always), as in any attention.
+
+With ``granularity=g`` all queries of each ``g``-token tile (tiles start at document
+starts, and ``g`` divides ``chunk_size``) are scored with the tile's mean query, so they
+share one selection: MoBA at tile granularity, an ablation, not the paper's model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flexmoba import _checks
+from flexmoba.layout import ChunkLayout, chunk_layout
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The chunks each query attends.
+
+    Attributes:
+        chunks: ``[B, H, S, n_chunks]`` bool; ``chunks[b, h, t, j]`` says query t of head h
+            attends the j-th chunk of its own document (own chunk included).
+        past_chunks: ``[B, H, S, P]`` local indices of the selected past chunks,
+            ``P = min(top_k - 1, n_chunks - 1)``; entries with ``past_valid`` False are unused.
+        past_valid: ``[B, H, S, P]`` bool.
+        layout: the chunk layout the indices refer to.
+    """
+
+    chunks: torch.Tensor
+    past_chunks: torch.Tensor
+    past_valid: torch.Tensor
+    layout: ChunkLayout
+
+
+def chunk_means(k: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
+    """``k: [B, H_kv, S, D]`` -> ``[B, H_kv, n_global_chunks, D]`` fp32 mean of each chunk.
+
+    The mean is rounded to k's dtype before use, as the official implementation pools keys
+    in their own dtype and only then casts to fp32.
+    """
+    B, H_kv, S, D = k.shape
+    index = layout.global_chunk[:, None, :].expand(B, H_kv, S)
+    sums = k.new_zeros(B, H_kv, layout.n_global_chunks, D, dtype=torch.float32)
+    sums.scatter_add_(2, index[..., None].expand(B, H_kv, S, D), k.float())
+    counts = torch.zeros(B, layout.n_global_chunks, device=k.device, dtype=torch.float32)
+    counts.scatter_add_(1, layout.global_chunk, torch.ones_like(counts[:, :1]).expand(B, S))
+    return (sums / counts[:, None, :, None]).to(k.dtype).float()
+
+
+def tile_mean_queries(q: torch.Tensor, layout: ChunkLayout, tile: int) -> torch.Tensor:
+    """``q: [B, H, S, D]`` -> ``[B, H, S, D]`` fp32, each query replaced by its tile's mean."""
+    B, H, S, D = q.shape
+    positions = torch.arange(S, device=q.device)
+    tile_id = torch.cumsum((positions - layout.doc_start) % tile == 0, dim=1) - 1  # [B, S]
+    index = tile_id[:, None, :, None].expand(B, H, S, D)
+    sums = torch.zeros(B, H, S, D, device=q.device, dtype=torch.float32).scatter_add_(2, index, q.float())
+    counts = torch.zeros(B, S, device=q.device, dtype=torch.float32)
+    counts.scatter_add_(1, tile_id, torch.ones_like(counts))
+    return sums.gather(2, index) / counts.gather(1, tile_id)[:, None, :, None]
+
+
+def gate_scores(q: torch.Tensor, k: torch.Tensor, layout: ChunkLayout, granularity) -> torch.Tensor:
+    """``[B, H, S, n_chunks]`` fp32: query . mean key of each chunk of the query's document."""
+    B, H, S, D = q.shape
+    H_kv = k.shape[1]
+    q32 = q.float() if granularity == "token" else tile_mean_queries(q, layout, granularity)
+    means = chunk_means(k, layout)  # [B, H_kv, G, D]
+    # Query head h gates against kv head h // (H / H_kv), as in GQA.
+    scores = q32.view(B, H_kv, H // H_kv, S, D) @ means[:, :, None].transpose(-1, -2)
+    scores = scores.view(B, H, S, layout.n_global_chunks)
+    if not layout.has_documents:
+        return scores
+    # Rebase global chunk indices on each query's own document.
+    local = torch.arange(layout.n_chunks, device=q.device)
+    index = (layout.first_global_chunk[:, :, None] + local).clamp(max=layout.n_global_chunks - 1)
+    return scores.gather(-1, index[:, None].expand(B, H, S, layout.n_chunks))
+
+
+def select_past_chunks(scores: torch.Tensor, layout: ChunkLayout, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top ``top_k - 1`` strictly-past chunks per query: ``(indices, valid)``, each ``[B, H, S, P]``."""
+    n_past = min(top_k - 1, layout.n_chunks - 1)
+    own = layout.local_chunk[:, None, :, None]  # [B, 1, S, 1]
+    local = torch.arange(layout.n_chunks, device=scores.device)
+    eligible = (local < own) & ~torch.isnan(scores)
+    scores = scores.masked_fill(~eligible, float("-inf"))
+    values, indices = scores.topk(n_past, dim=-1)
+    return indices, values > float("-inf")
+
+
+def select_chunks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    chunk_size: int,
+    top_k: int,
+    granularity="token",
+    document_ids: torch.Tensor | None = None,
+) -> Selection:
+    """Run MoBA's gate. Inputs are assumed validated; see :func:`moba_selection`."""
+    B, H, S, _ = q.shape
+    layout = chunk_layout(B, S, chunk_size, q.device, document_ids)
+    with torch.no_grad():
+        scores = gate_scores(q.detach(), k.detach(), layout, granularity)
+        past_chunks, past_valid = select_past_chunks(scores, layout, top_k)
+        chunks = torch.zeros(B, H, S, layout.n_chunks, dtype=torch.bool, device=q.device)
+        chunks.scatter_(-1, past_chunks, past_valid)
+        chunks.scatter_(-1, layout.local_chunk[:, None, :, None].expand(B, H, S, 1), True)
+    return Selection(chunks, past_chunks, past_valid, layout)
+
+
+def moba_selection(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    chunk_size: int,
+    top_k: int,
+    granularity="token",
+    document_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Which chunks each query attends, own chunk included.
+
+    Args:
+        q: ``[B, H, S, D]`` queries.
+        k: ``[B, H_kv, S, D]`` keys, ``H % H_kv == 0``.
+        chunk_size: tokens per chunk (chunks restart at each document start).
+        top_k: chunks per query, counting its own chunk.
+        granularity: ``"token"`` (the paper) or an int tile size dividing ``chunk_size``.
+        document_ids: optional ``[B, S]`` ints; each run of equal ids is one document.
+
+    Returns:
+        ``[B, H, S, ceil(S / chunk_size)]`` bool; index j is the j-th chunk of the
+        query's own document.
+    """
+    chunk_size, top_k, granularity = _check_selection_args(q, k, chunk_size, top_k, granularity, document_ids)
+    return select_chunks(
+        q, k, chunk_size=chunk_size, top_k=top_k, granularity=granularity, document_ids=document_ids
+    ).chunks
+
+
+def _check_selection_args(q, k, chunk_size, top_k, granularity, document_ids):
+    _checks.check_qk(q, k)
+    chunk_size = _checks.check_positive_int(chunk_size, "chunk_size")
+    top_k = _checks.check_positive_int(top_k, "top_k")
+    granularity = _checks.check_granularity(granularity, chunk_size)
+    _checks.check_document_ids(document_ids, q)
+    return chunk_size, top_k, granularity
