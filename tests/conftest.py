@@ -1,0 +1,26 @@
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+# CI profile: derandomized (same examples every run) and bounded in size.
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+settings.register_profile("dev", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+CONFORMANCE_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "conformance"
+
+
+@pytest.fixture(scope="session")
+def conformance_dir() -> Path:
+    if not CONFORMANCE_DIR.is_dir():
+        pytest.skip(f"official MoBA conformance vectors not found at {CONFORMANCE_DIR}")
+    return CONFORMANCE_DIR

@@ -1,0 +1,40 @@
+"""Non-finite inputs: a NaN never wins a gate slot; it shows up only where it is attended."""
+
+import torch
+
+from flexmoba import moba_attention, moba_selection
+
+
+def test_nan_key_chunk_is_never_selected_as_a_past_chunk():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 1, 64, 8), torch.randn(1, 1, 64, 8), torch.randn(1, 1, 64, 8)
+    k[0, 0, 20] = float("nan")  # poisons chunk 2 (positions 16..23) and its mean
+    chunks = moba_selection(q, k, chunk_size=8, top_k=3)
+    own_chunk = torch.arange(64) // 8
+    past_rows = own_chunk != 2
+    assert not chunks[0, 0, past_rows, 2].any(), "the NaN chunk must not be selected by later queries"
+    # Queries after it still get top_k chunks when enough finite past chunks exist.
+    counts = chunks[0, 0].sum(-1)
+    assert (counts[own_chunk >= 4] == 3).all()
+
+    # Queries that attend the NaN key (its own chunk, 20..23) never get a plausible finite
+    # value: sdpa gives NaN; torch's CPU flex kernel zeroes such rows. Dense sdpa may also
+    # spread the NaN to rows that mask it out (0 * NaN); flex leaves those rows exact.
+    with torch.no_grad():
+        sdpa = moba_attention(q, k, v, chunk_size=8, top_k=3, backend="sdpa")
+        flex = moba_attention(q, k, v, chunk_size=8, top_k=3, backend="flex")
+        clean_k = k.clone()
+        clean_k[0, 0, 20] = 0.0
+        clean = moba_attention(q, clean_k, v, chunk_size=8, top_k=3, backend="sdpa")
+    assert torch.isnan(sdpa[0, 0, 20:24]).all()
+    attended = flex[0, 0, 20:24]
+    assert (~torch.isfinite(attended) | (attended == 0)).all(1).all()
+    # Rows before the NaN key neither attend it nor gate on its chunk's mean.
+    torch.testing.assert_close(flex[0, 0, :20], clean[0, 0, :20], atol=1e-5, rtol=1e-5)
+
+
+def test_nan_query_selects_only_its_own_chunk():
+    q, k = torch.randn(1, 1, 64, 8), torch.randn(1, 1, 64, 8)
+    q[0, 0, 50] = float("nan")
+    chunks = moba_selection(q, k, chunk_size=8, top_k=3)
+    assert chunks[0, 0, 50].nonzero().flatten().tolist() == [6]
