@@ -1,0 +1,1 @@
+"""Benchmarks: run as modules (``python -m benchmarks.mask_build``); never part of the tests."""

@@ -1,0 +1,76 @@
+"""Mask build time next to the attention time it serves (issue: core).
+
+For each S, chunk 512, top-k 3, both granularities: time to gate and build the
+BlockMask, and time of compiled flex attention with it (inference, fp32), beside
+SDPA causal attention on the same inputs.
+
+    python -m benchmarks.mask_build [--seq-lens 4096 8192 16384 32768] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import markdown_table, median_seconds, write_report
+from flexmoba import compiled_flex_attention, moba_block_mask
+from flexmoba.attention import flex_moba_attention
+
+COLUMNS = [
+    ("seq_len", "S"), ("granularity", "granularity"), ("build_ms", "mask build (ms)"),
+    ("flex_ms", "flex attention (ms)"), ("build_share", "build / attention"),
+    ("sdpa_causal_ms", "SDPA causal (ms)"), ("block_density", "block density"),
+]
+
+
+def block_density(block_mask, seq_len: int) -> float:
+    """Fraction of the causal lower triangle's blocks the kernel visits."""
+    visited = (block_mask.kv_num_blocks + block_mask.full_kv_num_blocks).float().sum()
+    n = -(-seq_len // block_mask.BLOCK_SIZE[0])
+    causal_blocks = n * (n + 1) / 2 * block_mask.kv_num_blocks.shape[0] * block_mask.kv_num_blocks.shape[1]
+    return float(visited / causal_blocks)
+
+
+def measure(seq_len: int, granularity, heads: int, head_dim: int, chunk_size: int, top_k: int, repeats: int) -> dict:
+    gen = torch.Generator().manual_seed(seq_len)
+    q, k, v = (torch.randn(1, heads, seq_len, head_dim, generator=gen) for _ in range(3))
+    kw = dict(chunk_size=chunk_size, top_k=top_k, granularity=granularity)
+    with torch.no_grad():
+        block_mask = moba_block_mask(q, k, **kw)
+        build = median_seconds(lambda: moba_block_mask(q, k, **kw), repeats)
+        flex = median_seconds(lambda: flex_moba_attention(q, k, v, block_mask), repeats)
+        sdpa = median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), repeats)
+    return dict(seq_len=seq_len, granularity=str(granularity), build_ms=build * 1e3, flex_ms=flex * 1e3,
+                build_share=build / flex, sdpa_causal_ms=sdpa * 1e3, block_density=block_density(block_mask, seq_len))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--chunk-size", type=int, default=512)
+    parser.add_argument("--top-k", type=int, default=3)
+    parser.add_argument("--tile", type=int, default=128, help="tile size of the tile-granularity rows")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args(argv)
+
+    compiled_flex_attention()
+    rows = []
+    for seq_len in args.seq_lens:
+        for granularity in ("token", args.tile):
+            row = measure(seq_len, granularity, args.heads, args.head_dim, args.chunk_size, args.top_k, args.repeats)
+            print(markdown_table([row], COLUMNS).splitlines()[-1], flush=True)
+            rows.append(row)
+    table = markdown_table(rows, COLUMNS)
+    path = write_report("mask_build", rows, table, args.out)
+    print(table)
+    print(f"written to {path}")
+
+
+if __name__ == "__main__":
+    main()
