@@ -10,7 +10,7 @@ import numbers
 
 import torch
 
-BACKENDS = ("auto", "flex", "sdpa")
+BACKENDS = ("auto", "flex", "sdpa", "gather")
 
 
 def check_positive_int(value, name: str) -> int:

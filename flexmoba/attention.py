@@ -4,7 +4,11 @@
   once per process. Trains on CUDA; on CPU it is inference only (no CPU backward).
 - ``"sdpa"``: the same mask made dense ``[B, H, S, S]`` and fed to
   ``F.scaled_dot_product_attention``: differentiable on every device, O(S^2) memory.
-- ``"auto"``: flex on CUDA and for CPU calls that need no gradient, sdpa for CPU training.
+- ``"gather"``: queries regrouped per selected chunk, dense attention per group, partial
+  results merged by log-sum-exp (:mod:`flexmoba.gather`): exact, differentiable on every
+  device, work and memory O(S · top_k · chunk_size).
+- ``"auto"``: flex on CUDA; on CPU, gather once the sequence is long enough for sparsity to
+  pay (``S > 2 · chunk_size · top_k``), else sdpa for training and flex for inference.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from flexmoba import _checks
 from flexmoba.block_mask import selection_block_mask
+from flexmoba.gather import gather_moba_attention
 from flexmoba.masks import dense_moba_mask
 from flexmoba.selection import _check_selection_args, select_chunks
 
@@ -42,11 +47,16 @@ def needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def resolve_backend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+def resolve_backend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    chunk_size: int = 1, top_k: int = 1) -> str:
     """Pick the concrete backend; refuse flex where it cannot run."""
     backend = _checks.check_backend(backend)
     cpu_grad = q.device.type == "cpu" and needs_grad(q, k, v)
     if backend == "auto":
+        if q.device.type != "cpu":
+            return "flex"
+        if q.shape[2] > 2 * chunk_size * top_k:
+            return "gather"
         return "sdpa" if cpu_grad else "flex"
     if backend == "flex" and cpu_grad:
         raise ValueError(
@@ -83,7 +93,7 @@ def moba_attention(
         chunk_size: tokens per chunk; chunks restart at each document start.
         top_k: chunks per query, counting its own chunk.
         granularity: ``"token"`` (the paper) or an int tile size dividing ``chunk_size``.
-        backend: ``"auto"``, ``"flex"`` or ``"sdpa"``.
+        backend: ``"auto"``, ``"flex"``, ``"sdpa"`` or ``"gather"``.
         scale: softmax scale, default ``D ** -0.5``.
         document_ids: optional ``[B, S]`` ints; nothing attends across documents.
 
@@ -93,11 +103,13 @@ def moba_attention(
     chunk_size, top_k, granularity = _check_selection_args(q, k, chunk_size, top_k, granularity, document_ids)
     _checks.check_qkv(q, k, v)
     scale = _checks.check_scale(scale)
-    backend = resolve_backend(backend, q, k, v)
+    backend = resolve_backend(backend, q, k, v, chunk_size, top_k)
     selection = select_chunks(
         q, k, chunk_size=chunk_size, top_k=top_k, granularity=granularity, document_ids=document_ids
     )
     if backend == "flex":
         return flex_moba_attention(q, k, v, selection_block_mask(selection), scale)
+    if backend == "gather":
+        return gather_moba_attention(q, k, v, selection, scale)
     mask = dense_moba_mask(selection)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])

@@ -4,9 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import oracle
-from flexmoba import compiled_flex_attention, moba_attention, moba_block_mask, moba_reference
+from flexmoba import compiled_flex_attention, moba_attention, moba_block_mask, moba_reference, select_chunks
+from flexmoba.gather import gather_moba_attention
 from strategies import flex_problems, problems
 
 
@@ -16,11 +18,19 @@ def oracle_out(problem):
 
 
 @given(problems())
-def test_sdpa_and_reference_equal_oracle(problem):
+def test_sdpa_gather_and_reference_equal_oracle(problem):
     expected = oracle_out(problem)
     for got in (moba_attention(problem.q, problem.k, problem.v, backend="sdpa", **problem.kwargs),
+                moba_attention(problem.q, problem.k, problem.v, backend="gather", **problem.kwargs),
                 moba_reference(problem.q, problem.k, problem.v, **problem.kwargs)):
         torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@given(problems(), st.integers(1, 9))
+def test_gather_any_group_size_equals_oracle(problem, group_size):
+    selection = select_chunks(problem.q, problem.k, **problem.kwargs)
+    got = gather_moba_attention(problem.q, problem.k, problem.v, selection, group_size=group_size)
+    torch.testing.assert_close(got.double(), oracle_out(problem), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow
@@ -87,15 +97,19 @@ def test_short_sequences_equal_causal_attention(problem):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-@given(problems(token_only=True))
-def test_sdpa_gradients_equal_reference(problem):
-    inputs = [t.clone().requires_grad_() for t in (problem.q, problem.k, problem.v)]
-    ref_inputs = [t.clone().requires_grad_() for t in (problem.q, problem.k, problem.v)]
+@given(problems())
+def test_differentiable_backends_have_reference_gradients(problem):
     grad_out = torch.randn_like(problem.q)
-    (moba_attention(*inputs, **problem.kwargs) * grad_out).sum().backward()  # auto -> sdpa on CPU
-    (moba_reference(*ref_inputs, **problem.kwargs) * grad_out).sum().backward()
-    for got, expected in zip(inputs, ref_inputs):
-        torch.testing.assert_close(got.grad, expected.grad, atol=1e-5, rtol=1e-5)
+
+    def grads(fn, **kw):
+        inputs = [t.clone().requires_grad_() for t in (problem.q, problem.k, problem.v)]
+        (fn(*inputs, **problem.kwargs, **kw) * grad_out).sum().backward()
+        return [t.grad for t in inputs]
+
+    expected = grads(moba_reference)
+    for backend in ("sdpa", "gather", "auto"):
+        for got, want in zip(grads(moba_attention, backend=backend), expected):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_custom_scale_is_used():

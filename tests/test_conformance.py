@@ -28,10 +28,11 @@ def run(case, backend, *inputs):
                                  backend=backend)
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "gather"])
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_sdpa_forward_and_gradients_match_official(case):
+def test_differentiable_backends_match_official_forward_and_gradients(case, backend):
     q, k, v = (case[name].clone().requires_grad_() for name in "qkv")
-    out = run(case, "sdpa", q, k, v)
+    out = run(case, backend, q, k, v)
     torch.testing.assert_close(out, case["out"], atol=1e-4, rtol=0)
     (out * case["grad_out"]).sum().backward()
     for name, tensor in zip("qkv", (q, k, v)):
