@@ -4,13 +4,12 @@ TORCH_VERSION ?= 2.13.0
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv test compare bench clean
+.PHONY: venv test compare sweep bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,hf]"
 	touch $@
 
 venv: $(VENV)/.installed
@@ -20,6 +19,9 @@ test: venv
 
 compare: venv
 	$(PY) -m lit.compare
+
+sweep: venv
+	$(PY) -m lit.sweep configs/sweep/toy.yaml
 
 bench: venv
 	$(PY) -m benchmarks.mask_build
