@@ -108,7 +108,8 @@ def moba_attention(
         q, k, chunk_size=chunk_size, top_k=top_k, granularity=granularity, document_ids=document_ids
     )
     if backend == "flex":
-        return flex_moba_attention(q, k, v, selection_block_mask(selection), scale)
+        block_mask = selection_block_mask(selection, compute_q_blocks=needs_grad(q, k, v))
+        return flex_moba_attention(q, k, v, block_mask, scale)
     if backend == "gather":
         return gather_moba_attention(q, k, v, selection, scale)
     mask = dense_moba_mask(selection)

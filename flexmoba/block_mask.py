@@ -100,8 +100,15 @@ def block_tables(selection: Selection, block_size: tuple[int, int]):
     return (*_ordered_table(partial), *_ordered_table(full))
 
 
-def selection_block_mask(selection: Selection, block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE) -> BlockMask:
-    """The ``BlockMask`` of an already computed :class:`Selection`."""
+def selection_block_mask(
+    selection: Selection,
+    block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
+    compute_q_blocks: bool = True,
+) -> BlockMask:
+    """The ``BlockMask`` of an already computed :class:`Selection`.
+
+    ``compute_q_blocks=False`` skips the transposed tables only the backward pass reads.
+    """
     if isinstance(block_size, int):
         block_size = (block_size, block_size)
     Bq, Bk = (_checks.check_positive_int(b, "block_size") for b in block_size)
@@ -115,6 +122,7 @@ def selection_block_mask(selection: Selection, block_size: int | tuple[int, int]
         BLOCK_SIZE=(Bq, Bk),
         mask_mod=moba_mask_mod(selection),
         seq_lengths=(S, S),
+        compute_q_blocks=compute_q_blocks,
     )
 
 
