@@ -1,0 +1,461 @@
+"""Attention speed of MoBA's backends against full causal attention (performance issue).
+
+For each S and MoBA config (chunk/top-k), times the forward, and forward+backward where
+the device allows (flex has no CPU backward), of:
+
+    moba_flex_token   MoBA, compiled flex + sparse BlockMask, token granularity (the paper)
+    moba_flex_tile    the same at tile granularity (--tile, default 128)
+    moba_sdpa         MoBA as a dense [B, H, S, S] bool mask into SDPA (skipped past --dense-max-seq)
+    moba_gather       MoBA by regrouping queries per selected chunk (flexmoba.gather)
+    full_flex_causal  compiled flex with a causal BlockMask built from tables
+    sdpa_causal       F.scaled_dot_product_attention(is_causal=True), the reference for speedups
+
+MoBA times are end to end (gating + mask/plan + attention: what ``moba_attention`` costs a
+model); ``kernel`` is the attention alone with the mask/selection prebuilt; ``build`` is
+the gating + mask alone. The causal flex mask is static, so it is built once, outside the
+timing. speedup = sdpa_causal time / time. FLOP ideal = causal (query, key) pairs / pairs
+MoBA attends, from the real selection. achieved = forward speedup / ideal. Block density
+= blocks the flex kernel visits / causal blocks. Peak memory: extra memory during one call
+over what was live before it (CUDA: max_memory_allocated; CPU Linux: resident memory high
+-water mark, VmHWM, reset through /proc/self/clear_refs, with glibc told to map and unmap
+every allocation >= 1 MiB during that call so that freed memory is not silently reused).
+
+    python -m benchmarks.attention [--seq-lens 2048 4096] [--configs 512:3 4096:12] [--repeats 3]
+    python -m benchmarks.attention --inputs checkpoint --ckpt runs/moba/checkpoints/last.ckpt
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask
+
+from benchmarks.checkpoint_inputs import LOCALITY_COLUMNS, capture_qkv, load_model, locality
+from benchmarks.common import markdown_table, median_seconds, write_report
+from benchmarks.mask_build import block_density
+from flexmoba import compiled_flex_attention, moba_attention, select_chunks, selection_block_mask
+from flexmoba.attention import flex_moba_attention
+from flexmoba.block_mask import key_intervals
+from flexmoba.gather import gather_moba_attention
+from flexmoba.masks import dense_moba_mask
+
+METHODS = ("sdpa_causal", "full_flex_causal", "moba_flex_token", "moba_flex_tile", "moba_sdpa", "moba_gather")
+BASELINES = ("sdpa_causal", "full_flex_causal")
+CPU_SEQ_LENS = [2048, 4096, 8192, 16384, 32768]
+CUDA_SEQ_LENS = [4096, 16384, 65536, 131072, 262144]
+BLOCK = 128
+
+COLUMNS = [
+    ("seq_len", "S"), ("config", "chunk/top-k"), ("method", "method"),
+    ("fwd_ms", "fwd (ms)"), ("kernel_ms", "kernel (ms)"), ("build_ms", "build (ms)"),
+    ("fwd_bwd_ms", "fwd+bwd (ms)"), ("speedup_fwd", "speedup fwd"), ("speedup_kernel", "speedup kernel"),
+    ("speedup_fwd_bwd", "speedup fwd+bwd"), ("flop_ideal", "FLOP ideal"), ("achieved", "achieved"),
+    ("block_density", "block density"), ("peak_fwd_mb", "peak fwd (MB)"), ("peak_fwd_bwd_mb", "peak fwd+bwd (MB)"),
+    ("note", "note"),
+]
+
+
+
+@dataclass
+class Case:
+    """One row to measure: the inputs and what to run on them."""
+
+    method: str
+    q: torch.Tensor  # [B, H, S, D]
+    k: torch.Tensor  # [B, H_kv, S, D]
+    v: torch.Tensor  # [B, H_kv, S, D]
+    chunk_size: int = 0
+    top_k: int = 0
+    tile: int = BLOCK
+
+
+@dataclass
+class Runner:
+    """``forward(q, k, v)`` end to end; ``kernel()`` with prebuilt state; ``build()`` the state alone."""
+
+    forward: Callable
+    kernel: Callable | None
+    build: Callable | None
+    backward_ok: bool
+    block_mask: BlockMask | None = None
+    selection: object = None
+
+
+# -- masks and FLOPs ------------------------------------------------------------------------
+
+
+def causal_mask_mod(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+def causal_block_mask(seq_len: int, device, block: int = BLOCK) -> BlockMask:
+    """Causal ``BlockMask`` from int32 tables, no ``S x S`` tensor: diagonal blocks partial, below full."""
+    n = -(-seq_len // block)
+    rows = torch.arange(n, device=device, dtype=torch.int32)
+    kv_num = torch.ones(1, 1, n, device=device, dtype=torch.int32)
+    kv_idx = torch.zeros(1, 1, n, n, device=device, dtype=torch.int32)
+    kv_idx[..., 0] = rows
+    full_num = rows.view(1, 1, n).clone()
+    full_idx = rows.view(1, 1, 1, n).expand(1, 1, n, n).contiguous()
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(block, block),
+                                    mask_mod=causal_mask_mod, seq_lengths=(seq_len, seq_len))
+
+
+def flop_ideal(selection, seq_len: int) -> float:
+    """Causal (query, key) pairs / pairs the selection attends, over all batches and heads."""
+    starts, ends = key_intervals(selection)
+    attended = (ends - starts).clamp(min=0).sum().item()
+    B, H = selection.chunks.shape[:2]
+    return B * H * seq_len * (seq_len + 1) / 2 / attended
+
+
+# -- runners --------------------------------------------------------------------------------
+
+
+def expand_kv(q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``[B, H_kv, S, D]`` -> ``[B, H, S, D]`` (GQA heads repeated) for baselines without GQA."""
+    group = q.shape[1] // t.shape[1]
+    return t if group == 1 else t.repeat_interleave(group, dim=1)
+
+
+def baseline_runner(case: Case) -> Runner:
+    q, k, v = case.q, case.k, case.v
+    if case.method == "sdpa_causal":
+        def forward(q, k, v):
+            return F.scaled_dot_product_attention(q, expand_kv(q, k), expand_kv(q, v), is_causal=True)
+        return Runner(forward, None, None, backward_ok=True)
+    mask = causal_block_mask(q.shape[2], q.device)
+    flex = compiled_flex_attention()
+
+    def forward(q, k, v):
+        return flex(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    return Runner(forward, None, lambda: causal_block_mask(q.shape[2], q.device),
+                  backward_ok=q.device.type == "cuda", block_mask=mask)
+
+
+def moba_runner(case: Case) -> Runner:
+    q, k, v = case.q, case.k, case.v
+    granularity = case.tile if case.method == "moba_flex_tile" else "token"
+    backend = {"moba_flex_token": "flex", "moba_flex_tile": "flex", "moba_sdpa": "sdpa", "moba_gather": "gather"}[case.method]
+    kw = dict(chunk_size=case.chunk_size, top_k=case.top_k, granularity=granularity)
+    gqa = q.shape[1] != k.shape[1]
+
+    def build():
+        selection = select_chunks(q, k, **kw)
+        if backend == "flex":
+            return selection_block_mask(selection, BLOCK)
+        return dense_moba_mask(selection) if backend == "sdpa" else selection
+
+    def forward(q, k, v):
+        return moba_attention(q, k, v, backend=backend, **kw)
+
+    selection = select_chunks(q, k, **kw)
+    state = build()
+    kernels = {
+        "flex": lambda: flex_moba_attention(q, k, v, state),
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=state, enable_gqa=gqa),
+        "gather": lambda: gather_moba_attention(q, k, v, state),
+    }
+    return Runner(forward, kernels[backend], build, backward_ok=backend != "flex" or q.device.type == "cuda",
+                  block_mask=state if backend == "flex" else None, selection=selection)
+
+
+# -- measuring ------------------------------------------------------------------------------
+
+
+def _proc_status_kb(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+
+
+def _mallopt(mmap_threshold: int, trim_threshold: int) -> bool:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold) and libc.mallopt(M_TRIM_THRESHOLD, trim_threshold))
+    except (OSError, AttributeError):
+        return False
+
+
+def settle_malloc() -> None:
+    """Fix glibc at the thresholds a warm process reaches anyway (32 MiB mmap, 64 MiB trim),
+    so every row is timed under the same allocator behaviour (call once, on CPU)."""
+    _mallopt(32 << 20, 64 << 20)
+
+
+@contextlib.contextmanager
+def uncached_malloc():
+    """Make glibc map every allocation >= 1 MiB afresh and give it back on free, so that
+    resident memory follows the tensors alive (else freed memory is reused unseen)."""
+    changed = _mallopt(1 << 20, 1 << 20)
+    if changed:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    try:
+        yield
+    finally:
+        if changed:
+            settle_malloc()
+
+
+def peak_extra_mb(fn: Callable[[], object], device) -> float | None:
+    """Extra memory at the peak of one ``fn()`` call over what was in use before it; None if unknown."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    try:
+        with uncached_malloc():
+            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+            base = _proc_status_kb("VmRSS")
+            fn()
+            return (_proc_status_kb("VmHWM") - base) / 1024
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
+def forward_backward(forward: Callable, q, k, v) -> Callable[[], None]:
+    """A step running ``forward`` on fresh leaves and back-propagating a fixed random gradient."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    grad = torch.randn_like(q)
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        forward(*leaves).backward(grad)
+    return step
+
+
+def measure(case: Case, args, want_backward: bool) -> dict:
+    """Times and memory of one case; see the module docstring for the meaning of each field."""
+    device = case.q.device
+    runner = baseline_runner(case) if case.method in BASELINES else moba_runner(case)
+    row: dict = {}
+    with torch.no_grad():
+        row["fwd_ms"] = 1e3 * median_seconds(lambda: runner.forward(case.q, case.k, case.v), args.repeats)
+        if runner.kernel is not None:
+            row["kernel_ms"] = 1e3 * median_seconds(runner.kernel, args.repeats)
+        if runner.build is not None:
+            row["build_ms"] = 1e3 * median_seconds(runner.build, args.repeats)
+        row["peak_fwd_mb"] = peak_extra_mb(lambda: runner.forward(case.q, case.k, case.v), device)
+    if runner.block_mask is not None:
+        row["block_density"] = block_density(runner.block_mask, case.q.shape[2])
+    if runner.selection is not None:
+        row["flop_ideal"] = flop_ideal(runner.selection, case.q.shape[2])
+    if want_backward and runner.backward_ok:
+        step = forward_backward(runner.forward, case.q, case.k, case.v)
+        row["fwd_bwd_ms"] = 1e3 * median_seconds(step, args.repeats)
+        row["peak_fwd_bwd_mb"] = peak_extra_mb(step, device)
+    elif want_backward:
+        row["note"] = "no CPU flex backward"
+    return {k: v for k, v in row.items() if v is not None}
+
+
+def memory_skip(case: Case, args, device) -> str | None:
+    """Why a case would not fit (a rough estimate), or None."""
+    B, H, S, _ = case.q.shape
+    if case.method == "moba_sdpa" and S > args.dense_max_seq:
+        return "skipped (memory)"
+    if case.method == "moba_gather":
+        # Groups hold [S·top_k/128, 128, chunk] logits per head; backward keeps ~5 such fp32 tensors.
+        need = 5 * 4 * B * H * S * min(case.top_k, -(-S // case.chunk_size)) * case.chunk_size
+        if need > args.gather_cap_gb * 2**30:
+            return "skipped (memory)"
+    return None
+
+
+def add_ratios(row: dict, reference: dict | None) -> None:
+    """Speedups over SDPA causal (its time / this time) and the achieved fraction of the FLOP ideal."""
+    if not reference:
+        return
+    pairs = (("speedup_fwd", "fwd_ms", "fwd_ms"), ("speedup_kernel", "kernel_ms", "fwd_ms"),
+             ("speedup_fwd_bwd", "fwd_bwd_ms", "fwd_bwd_ms"))
+    for key, own, ref in pairs:
+        if own in row and ref in reference:
+            row[key] = reference[ref] / row[own]
+    if "speedup_fwd" in row and "flop_ideal" in row:
+        row["achieved"] = row["speedup_fwd"] / row["flop_ideal"]
+
+
+# -- inputs ---------------------------------------------------------------------------------
+
+
+def random_inputs(seq_len: int, args, device, dtype) -> tuple[torch.Tensor, ...]:
+    """q ``[B, H, S, D]``, k/v ``[B, H_kv, S, D]``, standard normal."""
+    gen = torch.Generator().manual_seed(seq_len)
+    shapes = [(args.batch, args.heads, seq_len, args.head_dim)] + [(args.batch, args.kv_heads, seq_len, args.head_dim)] * 2
+    return tuple(torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in shapes)
+
+
+def configs_for(seq_len: int, args) -> list[tuple[int, int]]:
+    """(chunk, top-k) pairs for this S: --configs, else 512/3 plus 4096/12 from S >= 64K."""
+    if args.configs:
+        configs = [tuple(map(int, c.split(":"))) for c in args.configs]
+    else:
+        configs = [(512, 3)] + ([(4096, 12)] if seq_len >= 65536 else [])
+    return [(c, k) for c, k in configs if c < seq_len]
+
+
+# -- main -----------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq-lens", type=int, nargs="+",
+                   help=f"sequence lengths S (default: {CPU_SEQ_LENS} on CPU, {CUDA_SEQ_LENS} on CUDA)")
+    p.add_argument("--configs", nargs="+",
+                   help="MoBA chunk:top_k pairs for every S, e.g. 512:3 4096:12 (default: 512:3, plus 4096:12 for S >= 64K)")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, help="what to time (default: all)")
+    p.add_argument("--inputs", choices=("random", "checkpoint"), default="random",
+                   help="q/k/v: standard normal, or captured from --ckpt (default: random)")
+    p.add_argument("--ckpt", type=Path, help="flexmoba checkpoint for --inputs checkpoint")
+    p.add_argument("--layer", type=int, default=0, help="checkpoint layer whose q/k/v are timed (default: 0)")
+    p.add_argument("--batch", type=int, default=1, help="B (random inputs; default: 1)")
+    p.add_argument("--heads", type=int, default=4, help="H (random inputs; default: 4)")
+    p.add_argument("--kv-heads", type=int, default=None, help="H_kv (random inputs; default: --heads)")
+    p.add_argument("--head-dim", type=int, default=64, help="D (random inputs; default: 64)")
+    p.add_argument("--tile", type=int, default=128, help="tile of moba_flex_tile (default: 128)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16" if cuda else "float32",
+                   help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--device", default="cuda" if cuda else "cpu", help="default: cuda if available")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per measurement, median (default: 3)")
+    p.add_argument("--no-backward", action="store_true", help="forward only")
+    p.add_argument("--dense-max-seq", type=int, default=32768 if cuda else 16384,
+                   help="skip moba_sdpa (dense S x S mask) above this S (default: 16384 on CPU, 32768 on CUDA)")
+    p.add_argument("--gather-cap-gb", type=float, default=None,
+                   help="skip moba_gather when its estimated memory exceeds this (default: 40%% of GPU memory, 16 on CPU)")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds; rows that would start later are reported as skipped (default: none)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="report folder")
+    args = p.parse_args(argv)
+    args.kv_heads = args.kv_heads or args.heads
+    args.seq_lens = args.seq_lens or (CUDA_SEQ_LENS if args.device.startswith("cuda") else CPU_SEQ_LENS)
+    if args.gather_cap_gb is None:
+        args.gather_cap_gb = (0.4 * torch.cuda.get_device_properties(torch.device(args.device)).total_memory / 2**30
+                              if args.device.startswith("cuda") else 16.0)
+    if args.inputs == "checkpoint" and args.ckpt is None:
+        p.error("--inputs checkpoint needs --ckpt PATH")
+    return args
+
+
+class Inputs:
+    """Source of q/k/v per S: random, or captured from a checkpoint (with locality rows)."""
+
+    def __init__(self, args, device, dtype):
+        self.args, self.device, self.dtype = args, device, dtype
+        self.model = None
+        if args.inputs == "checkpoint":
+            self.model = load_model(args.ckpt, device)
+            cfg = self.model.config
+            print(f"checkpoint {args.ckpt}: {cfg}", flush=True)
+            if not 0 <= args.layer < cfg.n_layers:
+                raise SystemExit(f"--layer {args.layer} out of range for {cfg.n_layers} layers")
+
+    def get(self, seq_len: int) -> tuple[list[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]:
+        """(q/k/v of every layer for locality, the q/k/v to time)."""
+        if self.model is None:
+            qkv = random_inputs(seq_len, self.args, self.device, self.dtype)
+            return [qkv], qkv
+        layers = capture_qkv(self.model, seq_len, self.device)
+        timed = tuple(t.to(self.dtype).contiguous() for t in layers[self.args.layer])
+        return layers, timed
+
+    def locality_configs(self, seq_len: int) -> list[tuple[int, int]]:
+        configs = configs_for(seq_len, self.args)
+        if self.model is not None:
+            own = (self.model.config.moba_chunk_size, self.model.config.moba_top_k)
+            configs = [own] + [c for c in configs if c != own]
+        return [(c, k) for c, k in configs if c < seq_len]
+
+
+def locality_rows(inputs: Inputs, layers, seq_len: int) -> list[dict]:
+    """Locality of the selections of every layer (one layer for random inputs), per config."""
+    rows = []
+    for layer, (q, k, _) in enumerate(layers):
+        for chunk, top_k in inputs.locality_configs(seq_len):
+            row = {"table": "locality", "inputs": inputs.args.inputs, "layer": layer, "seq_len": seq_len}
+            rows.append({**row, **locality(q, k, chunk, top_k)})
+    return rows
+
+
+def report(rows: list[dict], locality_table: list[dict], args, device_name: str) -> Path:
+    table = markdown_table(rows, COLUMNS)
+    if locality_table:
+        table += "\n\nLocality of selected past chunks (distance = own chunk - selected chunk):\n\n"
+        table += markdown_table(locality_table, LOCALITY_COLUMNS)
+    name = f"attention_{device_name}" + ("_checkpoint" if args.inputs == "checkpoint" else "")
+    return write_report(name, rows + locality_table, table, args.out)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    want_backward = not args.no_backward
+    if device.type == "cpu":
+        settle_malloc()
+    compiled_flex_attention()
+    inputs = Inputs(args, device, dtype)
+    started = time.perf_counter()
+    rows: list[dict] = []
+    localities: list[dict] = []
+    print("| " + " | ".join(h for _, h in COLUMNS) + " |", flush=True)
+    for seq_len in args.seq_lens:
+        layers, (q, k, v) = inputs.get(seq_len)
+        localities += locality_rows(inputs, layers, seq_len)
+        del layers
+        reference = None
+        cases = [("-", Case(m, q, k, v)) for m in args.methods if m in BASELINES]
+        cases += [(f"{c}/{t}", Case(m, q, k, v, c, t, args.tile))
+                  for c, t in configs_for(seq_len, args) for m in args.methods if m not in BASELINES]
+        for config, case in cases:
+            row = {"table": "attention", "seq_len": seq_len, "config": config, "method": case.method,
+                   "heads": q.shape[1], "kv_heads": k.shape[1], "head_dim": q.shape[-1], "dtype": args.dtype,
+                   "inputs": args.inputs}
+            row.update(run_case(case, args, device, want_backward, started))
+            if case.method == "sdpa_causal":
+                reference = row
+            add_ratios(row, reference)
+            rows.append(row)
+            print(markdown_table([row], COLUMNS).splitlines()[-1], flush=True)
+            report(rows, localities, args, device.type)
+        del q, k, v
+    path = report(rows, localities, args, device.type)
+    print()
+    print(path.read_text())
+    print(f"written to {path} and {path.with_suffix('.json')}")
+
+
+def run_case(case: Case, args, device, want_backward: bool, started: float) -> dict:
+    """Measure one case unless it would not fit or the time budget is spent; never raises OOM."""
+    if args.time_budget is not None and time.perf_counter() - started > args.time_budget:
+        return {"note": "skipped (time budget)"}
+    skip = memory_skip(case, args, device)
+    if skip:
+        return {"note": skip}
+    try:
+        return measure(case, args, want_backward)
+    except RuntimeError as error:  # torch.OutOfMemoryError (CUDA) and CPU allocator failures
+        message = str(error).lower()
+        if "out of memory" not in message and "can't allocate" not in message:
+            raise
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"note": "out of memory"}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
