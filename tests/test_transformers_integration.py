@@ -1,0 +1,289 @@
+"""MoBA inside Hugging Face transformers: a tiny random Llama, no downloads."""
+
+import inspect
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from flexmoba import moba_reference  # noqa: E402
+from flexmoba.decode import ChunkKeySums  # noqa: E402
+from flexmoba.integrations import transformers as hf  # noqa: E402
+
+CHUNK, TOP_K, S = 8, 2, 40  # 5 chunks, 2 attended: MoBA is active
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+hf.register("moba-sdpa", chunk_size=CHUNK, top_k=TOP_K, backend="sdpa")
+hf.register("moba-gather", chunk_size=CHUNK, top_k=TOP_K, backend="gather")
+hf.register("moba-wide", chunk_size=16, top_k=4, backend="sdpa")  # 64 >= S: plain causal attention
+hf.register("moba-dense-decode", chunk_size=CHUNK, top_k=TOP_K, backend="sdpa", dense_decode=True)
+
+
+def reference_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """flexmoba's dense oracle, per layer (no padding)."""
+    out = moba_reference(query, key, value, chunk_size=CHUNK, top_k=TOP_K, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("moba-reference", reference_attention)
+
+# transformers 5 renamed forward's past_key_values to cache.
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The model is tiny: one thread is ~100x faster than two contending ones on a busy CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
+def tiny_llama(kv_heads=2, attn="moba-sdpa", seed=0):
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=kv_heads, vocab_size=128, max_position_embeddings=128)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    model.set_attn_implementation(attn)
+    return model
+
+
+def tokens(B=2, length=S, seed=1):
+    return torch.randint(0, 128, (B, length), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def logits(model, ids, attn=None, **kwargs):
+    if attn is not None:
+        model.set_attn_implementation(attn)
+    return model(ids, **kwargs).logits
+
+
+@torch.no_grad()
+def cached_logits(model, ids, pieces, **kwargs):
+    """Feed ``ids`` piece by piece through a DynamicCache; concatenate the logits."""
+    cache, outs, t = DynamicCache(config=model.config), [], 0
+    for n in pieces:
+        outs.append(model(ids[:, t:t + n], use_cache=True, **{CACHE_ARG: cache}, **kwargs).logits)
+        t += n
+    return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
+def test_moba_covering_the_sequence_equals_sdpa(kv_heads):
+    model, ids = tiny_llama(kv_heads, "moba-wide"), tokens()
+    torch.testing.assert_close(logits(model, ids), logits(model, ids, "sdpa"), **TOL)
+
+
+@pytest.mark.parametrize("attn", ["moba-sdpa", "moba-gather"])
+@pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
+def test_moba_equals_per_layer_reference(kv_heads, attn):
+    model, ids = tiny_llama(kv_heads, attn), tokens()
+    moba = logits(model, ids)
+    torch.testing.assert_close(moba, logits(model, ids, "moba-reference"), **TOL)
+    assert (moba - logits(model, ids, "sdpa")).abs().max() > 1e-3  # MoBA really is sparse here
+
+
+@pytest.mark.parametrize("pieces", [[10] + [1] * 30, [3, 20, 1, 1, 15]], ids=["token", "chunked"])
+@pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
+def test_cached_decoding_equals_parallel_forward(kv_heads, pieces):
+    model, ids = tiny_llama(kv_heads), tokens()
+    torch.testing.assert_close(cached_logits(model, ids, pieces), logits(model, ids), **TOL)
+
+
+def test_chunk_means_are_rebuilt_once_then_updated_in_place(monkeypatch):
+    rebuilds = []
+    original = ChunkKeySums.from_keys.__func__
+    monkeypatch.setattr(ChunkKeySums, "from_keys",
+                        classmethod(lambda cls, *a, **k: rebuilds.append(1) or original(cls, *a, **k)))
+    model, ids = tiny_llama(), tokens()
+    cached_logits(model, ids, [10] + [1] * 30)
+    assert len(rebuilds) == model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("edit", ["crop", "reorder"])
+def test_cropped_or_reordered_cache_stays_exact(edit):
+    # Assisted decoding crops the cache, beam search reorders it; the side sums must notice.
+    model, ids = tiny_llama(), tokens()
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        for t in range(30):
+            model(ids[:, t:t + 1], use_cache=True, **{CACHE_ARG: cache})
+        if edit == "crop":
+            cache.crop(-10)  # drop the last 10 tokens
+            resume, ids = 20, ids.clone()
+            ids[:, 20:] = tokens(seed=7)[:, 20:]
+        else:
+            cache.reorder_cache(torch.tensor([1, 0]))  # same length, other rows
+            resume, ids = 30, ids.flip(0)
+        out = torch.cat([model(ids[:, t:t + 1], use_cache=True, **{CACHE_ARG: cache}).logits
+                         for t in range(resume, S)], dim=1)
+    torch.testing.assert_close(out, logits(model, ids)[:, resume:], **TOL)
+
+
+hf.register("moba-recompute", chunk_size=CHUNK, top_k=TOP_K, backend="sdpa", chunk_means="recompute")
+
+
+@pytest.mark.parametrize("attn", [
+    "moba-recompute",
+    pytest.param("moba-sdpa", marks=pytest.mark.xfail(strict=True, reason="documented limit of the O(1) check")),
+])
+def test_reorder_that_keeps_the_last_token(attn):
+    # Two beams ending on the same token: the first layer's last keys are equal, so only
+    # re-pooling the means from the cache notices the swap.
+    model, ids = tiny_llama(attn=attn), tokens()
+    ids[1, 29] = ids[0, 29]
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        for t in range(30):
+            model(ids[:, t:t + 1], use_cache=True, **{CACHE_ARG: cache})
+        cache.reorder_cache(torch.tensor([1, 0]))
+        ids = ids.flip(0)
+        out = torch.cat([model(ids[:, t:t + 1], use_cache=True, **{CACHE_ARG: cache}).logits
+                         for t in range(30, S)], dim=1)
+    torch.testing.assert_close(out, logits(model, ids)[:, 30:], **TOL)
+
+
+def test_right_padding_never_attended():
+    model, ids = tiny_llama(), tokens()
+    mask = torch.ones_like(ids)
+    mask[1, 27:] = 0
+    padded = logits(model, ids, attention_mask=mask)
+    torch.testing.assert_close(padded[0], logits(model, ids[:1])[0], **TOL)
+    torch.testing.assert_close(padded[1, :27], logits(model, ids[1:, :27])[0], **TOL)
+
+
+@pytest.mark.parametrize("attn", ["moba-sdpa", "moba-dense-decode"])
+def test_left_padded_generation_equals_unpadded_rows(attn):
+    model, ids = tiny_llama(attn=attn), tokens()
+    short = ids[1, :29]
+    batch = torch.stack([ids[0, :33], F.pad(short, (4, 0))])  # 4 tokens of left padding
+    mask = torch.ones_like(batch)
+    mask[1, :4] = 0
+    kwargs = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                  pad_token_id=0)
+    with torch.no_grad():
+        together = model.generate(batch, attention_mask=mask, **kwargs)
+        alone = [model.generate(row[None], attention_mask=torch.ones_like(row[None]), **kwargs)
+                 for row in (ids[0, :33], short)]
+    for b in range(2):
+        assert together.sequences[b, -6:].tolist() == alone[b].sequences[0, -6:].tolist()
+        for step in range(6):
+            torch.testing.assert_close(together.logits[step][b], alone[b].logits[step][0], **TOL)
+
+
+def hybrid_reference(prefill):
+    """MoBA for the first ``prefill`` rows, full causal attention after: what dense_decode computes."""
+    def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        moba = moba_reference(query, key, value, chunk_size=CHUNK, top_k=TOP_K, scale=scaling)
+        full = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+        return torch.cat([moba[:, :, :prefill], full[:, :, prefill:]], dim=2).transpose(1, 2), None
+    return attention
+
+
+def test_dense_decode_is_moba_prefill_then_full_attention():
+    AttentionInterface.register("hybrid-reference-12", hybrid_reference(12))
+    model, ids = tiny_llama(attn="moba-dense-decode"), tokens()
+    decoded = cached_logits(model, ids, [12] + [1] * 28)
+    torch.testing.assert_close(decoded, logits(model, ids, "hybrid-reference-12"), **TOL)
+    assert (decoded - logits(model, ids, "moba-sdpa")).abs().max() > 1e-3
+
+
+def test_unsupported_transformers_version(monkeypatch):
+    # The module the integration imports (pytest's importorskip may hand back another object).
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.47.1")
+    with pytest.raises(ImportError, match=r"transformers>=4\.48.*4\.47\.1"):
+        hf.register("too-old", chunk_size=CHUNK, top_k=TOP_K)
+
+
+def test_bad_settings_name_the_problem():
+    with pytest.raises(ValueError, match="chunk_size"):
+        hf.register("bad", chunk_size=0, top_k=TOP_K)
+    with pytest.raises(TypeError, match="top_k"):
+        hf.register("bad", chunk_size=CHUNK, top_k="3")
+    with pytest.raises(ValueError, match="backend"):
+        hf.register("bad", chunk_size=CHUNK, top_k=TOP_K, backend="flash")
+    with pytest.raises(ValueError, match="chunk_means"):
+        hf.register("bad", chunk_size=CHUNK, top_k=TOP_K, chunk_means="cached")
+    with pytest.raises(TypeError, match="dense_decode"):
+        hf.register("bad", chunk_size=CHUNK, top_k=TOP_K, dense_decode="yes")
+
+
+def test_unsupported_attention_calls_name_the_problem():
+    attend = hf.make_attention_function(chunk_size=CHUNK, top_k=TOP_K, backend="sdpa")
+    q, kv = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8)
+    causal = types.SimpleNamespace(is_causal=True)
+    with pytest.raises(ValueError, match="not causal"):
+        attend(types.SimpleNamespace(is_causal=False), q, kv, kv, None)
+    with pytest.raises(ValueError, match="not causal"):
+        attend(causal, q, kv, kv, None, is_causal=False)
+    with pytest.raises(ValueError, match="dropout"):
+        attend(causal, q, kv, kv, None, dropout=0.1)
+    with pytest.raises(ValueError, match="sliding_window"):
+        attend(causal, q, kv, kv, None, sliding_window=4)
+    with pytest.raises(ValueError, match="padding inside a sequence"):
+        attend(causal, q, kv, kv, torch.tensor([[1, 1, 0, 0, 1, 1]]))
+    bidirectional = torch.ones(1, 1, 6, 6, dtype=torch.bool)
+    with pytest.raises(ValueError, match="not causal plus padding"):
+        attend(causal, q, kv, kv, bidirectional)
+    with pytest.raises(ValueError, match="only 6 keys"):
+        attend(causal, torch.randn(1, 4, 7, 8), kv, kv, None)
+
+
+def test_non_causal_model_is_refused():
+    model = tiny_llama()
+    for layer in model.model.layers:
+        layer.self_attn.is_causal = False
+    with pytest.raises(ValueError, match="LlamaAttention is not causal"):
+        logits(model, tokens())
+
+
+def test_4d_causal_padding_mask_is_read_back():
+    # What transformers < 4.53 passes: an additive float mask, causal plus padding.
+    attend = hf.make_attention_function(chunk_size=4, top_k=2, backend="sdpa")
+    q, k, v = torch.randn(2, 4, 12, 8), torch.randn(2, 2, 12, 8), torch.randn(2, 2, 12, 8)
+    real = torch.ones(2, 12, dtype=torch.bool)
+    real[0, 9:] = False  # right padding
+    real[1, :3] = False  # left padding
+    allowed = torch.ones(12, 12).tril().bool()[None] & real[:, None, :]
+    additive = torch.zeros(2, 1, 12, 12).masked_fill(~allowed[:, None], torch.finfo(torch.float32).min)
+    module = types.SimpleNamespace(is_causal=True)
+    from_4d, _ = attend(module, q, k, v, additive)
+    from_2d, _ = attend(module, q, k, v, real.long())
+    torch.testing.assert_close(from_4d[0, :9], from_2d[0, :9])
+    torch.testing.assert_close(from_4d[1, 3:], from_2d[1, 3:])
+
+
+def test_training_step_backpropagates_and_refuses_dropout():
+    model, ids = tiny_llama(attn="moba-gather"), tokens()
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    model.config.attention_dropout = 0.1
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    with pytest.raises(ValueError, match="dropout"):
+        model(ids, labels=ids)
+
+
+def test_packed_sequences_are_refused():
+    model, ids = tiny_llama(), tokens(B=1)
+    position_ids = torch.cat([torch.arange(20), torch.arange(20)])[None]  # two documents in one row
+    with pytest.raises(ValueError, match="not causal plus padding"):
+        logits(model, ids, position_ids=position_ids, use_cache=False)  # HF detects packing only without a cache
+
+
+def test_static_cache_is_refused():
+    model, ids = tiny_llama(), tokens()
+    with pytest.raises(ValueError, match="static or sliding-window cache"):
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False,
+                       pad_token_id=0, cache_implementation="static")
