@@ -1,0 +1,260 @@
+"""A small decoder-only language model with MoBA or full attention per layer.
+
+nanoGPT-style and deliberately plain: RoPE, RMSNorm, SwiGLU, no biases, optional GQA,
+tied or untied embeddings. Shapes: B batch, S sequence, H query heads, H_kv key/value
+heads, D head dim, C model width, V vocabulary.
+
+Each layer attends with ``"moba"`` (:func:`flexmoba.moba_attention`) or ``"full"``
+(causal SDPA). ``full_attention_last_n_layers`` makes the last layers full, the paper's
+layer-wise hybrid; :meth:`GPT.set_attention_override` switches every layer at runtime,
+the paper's training-phase hybrid (MoBA first, full attention at the end).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from flexmoba.attention import moba_attention
+
+ATTENTION_KINDS = ("moba", "full")
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of :class:`GPT`.
+
+    Attributes:
+        vocab_size: tokens in the vocabulary (256 for raw bytes).
+        n_layers: transformer blocks.
+        d_model: residual stream width C.
+        n_heads: query heads H; ``d_model % n_heads == 0``.
+        n_kv_heads: key/value heads H_kv (GQA); ``None`` means ``n_heads``.
+        mlp_hidden: SwiGLU hidden width; ``None`` means 8/3 * d_model rounded up to 32.
+        tie_embeddings: share the token embedding with the output projection.
+        rope_base: RoPE frequency base.
+        attention: ``"moba"`` or ``"full"`` for every layer not forced full below.
+        moba_chunk_size: MoBA block (chunk) size in tokens.
+        moba_top_k: chunks each query attends, its own chunk included.
+        moba_granularity: ``"token"`` (the paper) or an int tile size dividing the chunk size.
+        moba_backend: backend name passed to :func:`flexmoba.moba_attention` (``"auto"`` picks
+            per device, sequence length and grad mode).
+        full_attention_last_n_layers: the last N layers use full attention (layer hybrid).
+        init_std: std of the normal init of linear and embedding weights.
+    """
+
+    vocab_size: int = 256
+    n_layers: int = 4
+    d_model: int = 128
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    mlp_hidden: int | None = None
+    tie_embeddings: bool = True
+    rope_base: float = 10000.0
+    attention: str = "moba"
+    moba_chunk_size: int = 128
+    moba_top_k: int = 3
+    moba_granularity: str | int = "token"
+    moba_backend: str = "auto"
+    full_attention_last_n_layers: int = 0
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.mlp_hidden is None:
+            self.mlp_hidden = 32 * math.ceil(8 * self.d_model / 3 / 32)
+        for name in ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "mlp_hidden",
+                     "moba_chunk_size", "moba_top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"ModelConfig.d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"ModelConfig.n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig head_dim={self.head_dim} (d_model / n_heads) must be even for RoPE")
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"ModelConfig.attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
+        if not 0 <= self.full_attention_last_n_layers <= self.n_layers:
+            raise ValueError(
+                f"ModelConfig.full_attention_last_n_layers must be in [0, n_layers={self.n_layers}], "
+                f"got {self.full_attention_last_n_layers}"
+            )
+        if isinstance(self.moba_granularity, str) and self.moba_granularity.isdigit():
+            self.moba_granularity = int(self.moba_granularity)  # from a CLI string
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def layer_attention(self) -> list[str]:
+        """The attention kind of each layer, first to last."""
+        n_full = self.full_attention_last_n_layers
+        return [self.attention] * (self.n_layers - n_full) + ["full"] * n_full
+
+    def num_parameters(self, non_embedding: bool = True) -> int:
+        """Parameter count from the formula (tests check it against the module).
+
+        ``non_embedding=True`` drops the token embedding and an untied output
+        projection, as Kaplan et al.'s N (their compute is ``6 * N`` per token).
+        """
+        C, D, V = self.d_model, self.head_dim, self.vocab_size
+        attn = C * self.n_heads * D + 2 * C * self.n_kv_heads * D + self.n_heads * D * C
+        mlp = 3 * C * self.mlp_hidden
+        norms = 2 * C
+        total = self.n_layers * (attn + mlp + norms) + C  # + final norm
+        if not non_embedding:
+            total += V * C * (1 if self.tie_embeddings else 2)
+        return total
+
+
+def rope_tables(seq_len: int, head_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, each ``[S, D/2]`` fp32, for rotary position embeddings."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.arange(seq_len, device=device, dtype=torch.float32)[:, None] * inv_freq
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs ``(x[..., :D/2], x[..., D/2:])`` of ``x: [B, H, S, D]`` by position."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return rotated.to(x.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig, kind: str):
+        super().__init__()
+        self.config = config
+        self.kind = kind
+        self.override: str | None = None  # set by GPT.set_attention_override
+        C, D = config.d_model, config.head_dim
+        self.wq = nn.Linear(C, config.n_heads * D, bias=False)
+        self.wk = nn.Linear(C, config.n_kv_heads * D, bias=False)
+        self.wv = nn.Linear(C, config.n_kv_heads * D, bias=False)
+        self.wo = nn.Linear(config.n_heads * D, C, bias=False)
+
+    @property
+    def active_kind(self) -> str:
+        return self.override or self.kind
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x: [B, S, C]`` -> ``[B, S, C]``."""
+        B, S, _ = x.shape
+        cfg = self.config
+        q = self.wq(x).view(B, S, cfg.n_heads, cfg.head_dim).transpose(1, 2)  # [B, H, S, D]
+        k = self.wk(x).view(B, S, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)  # [B, H_kv, S, D]
+        v = self.wv(x).view(B, S, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.active_kind == "moba":
+            y = moba_attention(
+                q, k, v,
+                chunk_size=cfg.moba_chunk_size,
+                top_k=cfg.moba_top_k,
+                granularity=cfg.moba_granularity,
+                backend=cfg.moba_backend,
+            )
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=cfg.n_kv_heads != cfg.n_heads)
+        return self.wo(y.transpose(1, 2).reshape(B, S, cfg.n_heads * cfg.head_dim))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.w_gate = nn.Linear(config.d_model, config.mlp_hidden, bias=False)
+        self.w_up = nn.Linear(config.d_model, config.mlp_hidden, bias=False)
+        self.w_down = nn.Linear(config.mlp_hidden, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, kind: str):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(config.d_model)
+        self.attn = CausalSelfAttention(config, kind)
+        self.mlp_norm = nn.RMSNorm(config.d_model)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config, kind) for kind in config.layer_attention())
+        self.norm = nn.RMSNorm(config.d_model)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        # GPT-2: scale the residual output projections by depth.
+        for name, p in self.named_parameters():
+            if name.endswith(("attn.wo.weight", "mlp.w_down.weight")):
+                nn.init.normal_(p, mean=0.0, std=config.init_std / math.sqrt(2 * config.n_layers))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
+
+    def num_parameters(self, non_embedding: bool = True) -> int:
+        """Parameters counted on the module (tied weights once); see ModelConfig.num_parameters."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.tok_emb.weight.numel()
+            if not self.config.tie_embeddings:
+                n -= self.lm_head.weight.numel()
+        return n
+
+    def layer_attention(self) -> list[str]:
+        """The attention kind each layer uses now (after any override)."""
+        return [block.attn.active_kind for block in self.blocks]
+
+    def set_attention_override(self, kind: str | None) -> None:
+        """Make every layer use ``kind`` (``"full"`` or ``"moba"``); ``None`` restores the config."""
+        if kind is not None and kind not in ATTENTION_KINDS:
+            raise ValueError(f"attention override must be one of {ATTENTION_KINDS} or None, got {kind!r}")
+        for block in self.blocks:
+            block.attn.override = kind
+
+    @property
+    def attention_override(self) -> str | None:
+        return self.blocks[0].attn.override
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens: [B, S]`` int -> logits ``[B, S, V]``."""
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [B, S], got shape {tuple(tokens.shape)}")
+        cos, sin = rope_tables(tokens.shape[1], self.config.head_dim, self.config.rope_base, tokens.device)
+        x = self.tok_emb(tokens)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0) -> torch.Tensor:
+        """Extend ``prompt: [B, S]`` by ``max_new_tokens``; greedy when ``temperature == 0``.
+
+        No KV cache: the whole sequence is re-run per token, fine for a few bytes.
+        """
+        tokens = prompt
+        for _ in range(max_new_tokens):
+            logits = self(tokens)[:, -1].float()
+            if temperature > 0:
+                next_token = torch.multinomial(F.softmax(logits / temperature, dim=-1), 1)
+            else:
+                next_token = logits.argmax(dim=-1, keepdim=True)
+            tokens = torch.cat([tokens, next_token], dim=1)
+        return tokens

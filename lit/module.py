@@ -1,0 +1,179 @@
+"""LightningModule: causal LM training of :class:`flexmoba.model.GPT`."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torchmetrics import MeanMetric
+
+from flexmoba.flops import attention_flops_per_token, dense_flops_per_token
+from flexmoba.model import GPT, ModelConfig
+from lit.metrics import IGNORE_INDEX, WindowedLoss, position_windows
+from lit.metrics import trailing_window as trailing_positions
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier: linear warmup to 1, then cosine decay to ``min_lr_ratio`` at ``total_steps``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class LitLM(L.LightningModule):
+    """Causal language modelling with windowed validation losses.
+
+    Args:
+        config: the model architecture.
+        seq_len: training sequence length (linked from the data by the CLI); sizes the
+            position windows.
+        lr, weight_decay, betas: AdamW (decay on matrices only).
+        warmup_steps: linear warmup steps; then cosine decay to ``min_lr_ratio * lr``.
+        lr_decay_steps: where the cosine ends; default: the trainer's last step. Set it to
+            stop a run early on the same schedule as a longer one.
+        position_window: width of the loss-by-position windows.
+        trailing_window: the last W positions, reported as ``<stage>/loss_trailing``.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig | None = None,
+        seq_len: int = 1024,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 20,
+        min_lr_ratio: float = 0.1,
+        lr_decay_steps: int | None = None,
+        position_window: int = 256,
+        trailing_window: int = 256,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.config = config or ModelConfig()
+        self.model = GPT(self.config)
+        self.seq_len = seq_len
+        self.windows = position_windows(seq_len, position_window)
+        self.metrics = torch.nn.ModuleDict()
+        for stage in ("val", "test"):
+            self.metrics[f"{stage}_loss"] = MeanMetric()
+            self.metrics[f"{stage}_windows"] = WindowedLoss(self.windows)
+            self.metrics[f"{stage}_trailing"] = WindowedLoss(trailing_positions(seq_len, trailing_window))
+        self._step_started: float | None = None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)
+
+    def token_losses(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-target cross-entropy ``[B, S]`` (0 where ignored) and the targets ``[B, S]``."""
+        inputs, targets = batch
+        logits = self.model(inputs)
+        loss = F.cross_entropy(
+            logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+        )
+        return loss.view_as(targets), targets
+
+    # -- training -----------------------------------------------------------------------
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        self._step_started = time.perf_counter()
+
+    def training_step(self, batch, batch_idx):
+        token_loss, targets = self.token_losses(batch)
+        n_tokens = (targets != IGNORE_INDEX).sum()
+        loss = token_loss.sum() / n_tokens.clamp(min=1)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        self.log("train/moba_layers", float(self.model.layer_attention().count("moba")))
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if self._step_started is None:
+            return
+        seconds = time.perf_counter() - self._step_started
+        tokens = batch[0].numel() * self.trainer.world_size
+        self.log("train/tokens_per_s", tokens / seconds)
+
+    # -- evaluation ---------------------------------------------------------------------
+
+    def _eval_step(self, batch, stage: str) -> None:
+        token_loss, targets = self.token_losses(batch)
+        valid = targets != IGNORE_INDEX
+        n_tokens = valid.sum()
+        if n_tokens > 0:
+            self.metrics[f"{stage}_loss"].update(token_loss.sum() / n_tokens, weight=n_tokens)
+        self.metrics[f"{stage}_windows"].update(token_loss, targets)
+        self.metrics[f"{stage}_trailing"].update(token_loss, targets)
+
+    def _log_eval(self, stage: str) -> None:
+        loss = self.metrics[f"{stage}_loss"].compute()
+        self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=True)
+        self.log(f"{stage}/ppl", torch.exp(loss), sync_dist=True)
+        for (start, end), value in zip(self.windows, self.metrics[f"{stage}_windows"].compute().reshape(-1)):
+            if torch.isfinite(value):
+                self.log(f"{stage}/loss_pos_{start:06d}_{end:06d}", value.float(), sync_dist=True)
+        trailing = self.metrics[f"{stage}_trailing"].compute().reshape(-1)[0]
+        if torch.isfinite(trailing):
+            self.log(f"{stage}/loss_trailing", trailing.float(), sync_dist=True)
+        for name in ("loss", "windows", "trailing"):
+            self.metrics[f"{stage}_{name}"].reset()
+
+    def validation_step(self, batch, batch_idx) -> None:
+        self._eval_step(batch, "val")
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_eval("val")
+
+    def test_step(self, batch, batch_idx) -> None:
+        self._eval_step(batch, "test")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_eval("test")
+
+    def predict_step(self, batch, batch_idx) -> dict[str, torch.Tensor]:
+        """Per-sequence mean loss ``[B]`` and a greedy 16-byte continuation of each sequence's first 32 bytes."""
+        token_loss, targets = self.token_losses(batch)
+        n_tokens = (targets != IGNORE_INDEX).sum(dim=1).clamp(min=1)
+        prompt = batch[0][:, :32]
+        return {"loss": token_loss.sum(dim=1) / n_tokens, "continuation": self.model.generate(prompt, 16)[:, 32:]}
+
+    # -- optimizer ----------------------------------------------------------------------
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        decay = [p for p in self.model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.lr, betas=tuple(hp.betas),
+        )
+        total_steps = hp.lr_decay_steps or max(1, int(self.trainer.estimated_stepping_batches))
+        warmup = min(hp.warmup_steps, total_steps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_cosine(step, max(1, warmup), total_steps, hp.min_lr_ratio)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # -- bookkeeping --------------------------------------------------------------------
+
+    def on_fit_start(self) -> None:
+        cfg = self.config
+        flops = {
+            "params/non_embedding": float(self.model.num_parameters(non_embedding=True)),
+            "params/total": float(self.model.num_parameters(non_embedding=False)),
+            "flops/dense_per_token": float(dense_flops_per_token(cfg)),
+            "flops/attention_per_token": float(attention_flops_per_token(cfg, self.seq_len)),
+        }
+        for logger in self.loggers:
+            logger.log_metrics(flops, step=0)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # A phase switch to full attention must survive validate/test/resume from this checkpoint.
+        checkpoint["attention_override"] = self.model.attention_override
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.model.set_attention_override(checkpoint.get("attention_override"))

@@ -1,0 +1,120 @@
+"""The model: shapes, causality, parameter and FLOP formulas, attention switching."""
+
+import pytest
+import torch
+
+from flexmoba.flops import (
+    attention_flops_per_sequence,
+    attention_sparsity,
+    dense_flops_per_token,
+    keys_attended_full,
+    keys_attended_moba,
+)
+from flexmoba.model import GPT, ModelConfig
+
+TINY = dict(n_layers=2, d_model=32, n_heads=4, moba_chunk_size=16, moba_top_k=2, moba_backend="sdpa")
+
+
+def tiny(**overrides) -> ModelConfig:
+    return ModelConfig(**{**TINY, **overrides})
+
+
+def tokens(batch=2, seq_len=64, seed=0):
+    return torch.randint(0, 256, (batch, seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, {"n_kv_heads": 2}, {"n_kv_heads": 1, "tie_embeddings": False}, {"attention": "full"},
+    {"full_attention_last_n_layers": 1}, {"moba_granularity": 4},
+])
+def test_logits_shape(overrides):
+    model = GPT(tiny(**overrides))
+    assert model(tokens(3, 48)).shape == (3, 48, 256)
+
+
+@pytest.mark.parametrize("attention", ["moba", "full"])
+def test_future_tokens_do_not_change_earlier_logits(attention):
+    torch.manual_seed(0)
+    model = GPT(tiny(attention=attention)).eval()
+    x = tokens(2, 64)
+    changed = x.clone()
+    changed[:, 40:] = (changed[:, 40:] + 7) % 256
+    with torch.no_grad():
+        a, b = model(x), model(changed)
+    torch.testing.assert_close(a[:, :40], b[:, :40], rtol=0, atol=1e-5)
+    assert not torch.allclose(a[:, 40:], b[:, 40:])  # the test can fail: later logits do move
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, {"n_kv_heads": 2}, {"tie_embeddings": False}, {"mlp_hidden": 48, "n_kv_heads": 1, "vocab_size": 300},
+])
+@pytest.mark.parametrize("non_embedding", [True, False])
+def test_parameter_formula_matches_module(overrides, non_embedding):
+    config = tiny(**overrides)
+    model = GPT(config)
+    counted = sum(p.numel() for p in model.parameters())  # tied weights appear once
+    if non_embedding:
+        counted -= config.vocab_size * config.d_model * (1 if config.tie_embeddings else 2)
+    assert config.num_parameters(non_embedding=non_embedding) == counted == model.num_parameters(non_embedding)
+
+
+def test_hybrid_layers_and_runtime_override():
+    model = GPT(tiny(n_layers=3, full_attention_last_n_layers=1))
+    assert model.layer_attention() == ["moba", "moba", "full"]
+    model.set_attention_override("full")
+    assert model.layer_attention() == ["full"] * 3
+    model.set_attention_override(None)
+    assert model.layer_attention() == ["moba", "moba", "full"]
+    with pytest.raises(ValueError, match="override"):
+        model.set_attention_override("sparse")
+
+
+def test_moba_covering_the_sequence_equals_full_attention():
+    torch.manual_seed(0)
+    moba = GPT(tiny(moba_chunk_size=32, moba_top_k=2)).eval()  # 32 * 2 >= 64
+    full = GPT(tiny(attention="full")).eval()
+    full.load_state_dict(moba.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(moba(tokens()), full(tokens()), rtol=1e-5, atol=1e-5)
+
+
+def test_sparse_moba_differs_from_full_attention():
+    torch.manual_seed(0)
+    model = GPT(tiny(moba_chunk_size=8, moba_top_k=2)).eval()
+    with torch.no_grad():
+        moba_logits = model(tokens())
+        model.set_attention_override("full")
+        full_logits = model(tokens())
+    assert not torch.allclose(moba_logits, full_logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("d_model", 30), ("n_kv_heads", 3), ("attention", "linear"), ("full_attention_last_n_layers", 5), ("n_layers", 0),
+])
+def test_bad_config_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        tiny(**{field: value})
+
+
+def test_generate_appends_tokens():
+    model = GPT(tiny()).eval()
+    out = model.generate(tokens(1, 10), max_new_tokens=5)
+    assert out.shape == (1, 15) and torch.equal(out[:, :10], tokens(1, 10))
+
+
+def test_keys_attended_by_hand():
+    # S=6, chunk 2, top_k 2: queries 0..5 attend 1, 2, 2+1, 2+2, 2+1, 2+2 keys.
+    assert keys_attended_moba(6, chunk_size=2, top_k=2) == 1 + 2 + 3 + 4 + 3 + 4
+    assert keys_attended_full(6) == 21
+    assert keys_attended_moba(64, chunk_size=16, top_k=4) == keys_attended_full(64)
+    assert keys_attended_moba(1024, chunk_size=128, top_k=3) < keys_attended_full(1024)
+
+
+def test_flop_accounting():
+    config = tiny(moba_chunk_size=2, moba_top_k=2, n_layers=2, full_attention_last_n_layers=1)
+    per_pair = 4 * config.n_heads * config.head_dim
+    expected = per_pair * (keys_attended_moba(6, 2, 2) + keys_attended_full(6))
+    assert attention_flops_per_sequence(config, 6, training=False) == expected
+    assert attention_flops_per_sequence(config, 6) == 3 * expected
+    assert dense_flops_per_token(config) == 6 * config.num_parameters(non_embedding=True)
+    assert attention_sparsity(tiny(moba_chunk_size=32, moba_top_k=2), 64) == 0.0
