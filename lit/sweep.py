@@ -1,0 +1,218 @@
+"""Scaling-law sweep: MoBA vs full attention over model sizes, one Lightning run each.
+
+    python -m lit.sweep configs/sweep/toy.yaml            # run (or resume) the sweep, then report
+    python -m lit.sweep configs/sweep/toy.yaml --report-only
+
+Every (model size, attention type) pair is an ordinary ``flexmoba fit`` run in its own
+folder ``<out_dir>/<size>-<attention>/``, trained on ``tokens_per_parameter`` tokens per
+non-embedding parameter (a Chinchilla-style rule), then validated once. A finished run
+leaves ``result.json`` and is skipped on re-run; an interrupted one resumes from its
+``checkpoints/last.ckpt``. The report (:mod:`lit.scaling_report`) fits ``L = a · C^b`` per
+attention type and position window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+from flexmoba.flops import flops_per_token
+from flexmoba.model import ModelConfig
+from flexmoba.scaling_law import pflops_days
+
+
+@dataclass
+class ModelSize:
+    name: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int | None = None
+
+
+@dataclass
+class SweepSpec:
+    """A sweep, as read from YAML (every key below; unknown keys are an error).
+
+    Attributes:
+        out_dir: folder of the sweep; one sub-folder per run.
+        sizes: model sizes (at least 2 for a fit; the paper's figures use 5).
+        attention: name -> ModelConfig fields of that attention type, e.g.
+            ``{moba: {attention: moba, moba_chunk_size: 256, moba_top_k: 3}, full: {attention: full}}``.
+        seq_len, batch_size: training sequences.
+        tokens_per_parameter: training tokens per non-embedding parameter.
+        min_steps: floor on the optimizer steps of the smallest runs.
+        position_window, trailing_window: widths of the evaluated position windows.
+        lr, warmup_fraction: AdamW peak learning rate and warmup share of the steps.
+        limit_val_batches: validation batches of the final evaluation.
+        base_config: the Lightning CLI YAML every run starts from.
+        cli_args: extra CLI arguments for every run (e.g. ``--trainer.accelerator gpu``).
+    """
+
+    out_dir: str
+    sizes: list[ModelSize]
+    attention: dict[str, dict]
+    seq_len: int = 2048
+    batch_size: int = 8
+    tokens_per_parameter: float = 20.0
+    min_steps: int = 20
+    position_window: int = 256
+    trailing_window: int = 256
+    lr: float = 3e-3
+    warmup_fraction: float = 0.05
+    limit_val_batches: int = 16
+    base_config: str = "configs/moba.yaml"
+    cli_args: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "SweepSpec":
+        raw = yaml.safe_load(Path(path).read_text())
+        if not isinstance(raw, dict):
+            raise ValueError(f"sweep config {path} must be a mapping")
+        known = {f.name for f in fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"unknown keys in sweep config {path}: {sorted(unknown)}")
+        sizes = raw.pop("sizes", None)
+        if not sizes:
+            raise ValueError(f"sweep config {path}: 'sizes' must list at least one model size")
+        if not raw.get("attention"):
+            raise ValueError(f"sweep config {path}: 'attention' must name at least one attention type")
+        spec = cls(sizes=[ModelSize(**s) for s in sizes], **raw)
+        for run in spec.runs():
+            run.model_config()  # validates every size x attention combination up front
+        return spec
+
+    def runs(self) -> list["Run"]:
+        return [Run(self, size, name) for size in self.sizes for name in self.attention]
+
+
+@dataclass
+class Run:
+    spec: SweepSpec
+    size: ModelSize
+    attention_name: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.size.name}-{self.attention_name}"
+
+    @property
+    def folder(self) -> Path:
+        return Path(self.spec.out_dir) / self.name
+
+    def model_config(self) -> ModelConfig:
+        size = {k: v for k, v in asdict(self.size).items() if k != "name" and v is not None}
+        return ModelConfig(**size, **self.spec.attention[self.attention_name])
+
+    def steps(self) -> int:
+        """Optimizer steps for ``tokens_per_parameter`` tokens per non-embedding parameter."""
+        n = self.model_config().num_parameters(non_embedding=True)
+        tokens = self.spec.tokens_per_parameter * n
+        return max(self.spec.min_steps, math.ceil(tokens / (self.spec.batch_size * self.spec.seq_len)))
+
+    def cli_args(self) -> list[str]:
+        spec, steps = self.spec, self.steps()
+        config = self.model_config()
+        model_args = []
+        for key in ("n_layers", "d_model", "n_heads", "n_kv_heads", *spec.attention[self.attention_name]):
+            model_args += [f"--model.config.{key}", str(getattr(config, key))]
+        return [
+            "--config", spec.base_config,
+            "--trainer.default_root_dir", str(self.folder),
+            "--trainer.max_steps", str(steps),
+            "--trainer.val_check_interval", str(steps),
+            "--trainer.limit_val_batches", str(spec.limit_val_batches),
+            "--checkpoint.every_n_train_steps", str(max(1, steps // 10)),
+            "--data.seq_len", str(spec.seq_len),
+            "--data.batch_size", str(spec.batch_size),
+            "--model.lr", str(spec.lr),
+            "--model.warmup_steps", str(max(1, int(spec.warmup_fraction * steps))),
+            "--model.position_window", str(spec.position_window),
+            "--model.trailing_window", str(spec.trailing_window),
+            *model_args,
+            *spec.cli_args,
+        ]
+
+    def compute(self) -> dict:
+        """Training compute in PFLOP/s-days: the paper's 6·N·D, and with attention included."""
+        config = self.model_config()
+        tokens = self.steps() * self.spec.batch_size * self.spec.seq_len
+        n = config.num_parameters(non_embedding=True)
+        return {
+            "params_non_embedding": n,
+            "tokens": tokens,
+            "compute_6nd": pflops_days(6 * n * tokens),
+            "compute_total": pflops_days(flops_per_token(config, self.spec.seq_len) * tokens),
+        }
+
+
+def execute(run: Run) -> dict:
+    """Fit (or resume) one run, validate it, and write its ``result.json``."""
+    from lit.cli import run_cli  # Lightning is imported only when a run really happens
+
+    last = run.folder / "checkpoints" / "last.ckpt"
+    resume = ["--ckpt_path", str(last)] if last.exists() else []
+    started = time.time()
+    cli = run_cli(["fit", *run.cli_args(), *resume])
+    metrics = cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)[0]
+    result = {
+        "run": run.name,
+        "size": run.size.name,
+        "attention": run.attention_name,
+        "steps": run.steps(),
+        "seconds": time.time() - started,
+        "resumed": bool(resume),
+        **run.compute(),
+        "metrics": {k: float(v) for k, v in metrics.items()},
+    }
+    (run.folder / "result.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def run_sweep(spec: SweepSpec) -> list[dict]:
+    """Run every unfinished run of the sweep, in order, and return all results."""
+    runs = spec.runs()
+    results = []
+    for i, run in enumerate(runs, 1):
+        done = run.folder / "result.json"
+        if done.exists():
+            print(f"[{i}/{len(runs)}] {run.name}: done, skipped", flush=True)
+            results.append(json.loads(done.read_text()))
+            continue
+        state = "resuming" if (run.folder / "checkpoints" / "last.ckpt").exists() else "starting"
+        print(f"[{i}/{len(runs)}] {run.name}: {state}, {run.steps()} steps", flush=True)
+        results.append(execute(run))
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="MoBA vs full attention scaling-law sweep")
+    parser.add_argument("config", type=Path, help="sweep YAML, e.g. configs/sweep/toy.yaml")
+    parser.add_argument("--report-only", action="store_true", help="only rebuild the report from finished runs")
+    parser.add_argument("--plan", action="store_true", help="print the runs, their steps and compute, and exit")
+    args = parser.parse_args(argv)
+
+    spec = SweepSpec.from_yaml(args.config)
+    if args.plan:
+        for run in spec.runs():
+            c = run.compute()
+            print(f"{run.name}: {run.steps()} steps, N={c['params_non_embedding']}, D={c['tokens']}, "
+                  f"C={c['compute_6nd']:.3g} PFLOP/s-days (6ND)")
+        return
+    if not args.report_only:
+        run_sweep(spec)
+    from lit.scaling_report import write_report
+
+    report = write_report(Path(spec.out_dir))
+    print(f"report: {report}")
+
+
+if __name__ == "__main__":
+    main()

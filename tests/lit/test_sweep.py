@@ -1,0 +1,109 @@
+"""Scaling-law sweep: report from known points, a tiny real sweep, resume after a kill."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lit.scaling_report import write_report
+from lit.sweep import SweepSpec
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def fake_result(folder: Path, size: str, attention: str, compute: float, losses: dict) -> None:
+    folder.mkdir(parents=True)
+    (folder / "result.json").write_text(json.dumps({
+        "run": f"{size}-{attention}", "size": size, "attention": attention, "steps": 10, "seconds": 1.0,
+        "resumed": False, "params_non_embedding": 1000, "tokens": 10_000, "compute_6nd": compute,
+        "compute_total": compute * 1.1, "metrics": losses,
+    }))
+
+
+def test_report_recovers_laws_from_fake_runs(tmp_path):
+    laws = {"moba": (1.546, -0.108), "full": (1.464, -0.097)}
+    for i, compute in enumerate([1e-4, 1e-3, 1e-2, 1e-1]):
+        for attention, (a, b) in laws.items():
+            loss = a * compute**b
+            fake_result(tmp_path / f"s{i}-{attention}", f"s{i}", attention, compute,
+                        {"val/loss": loss, "val/loss_trailing": loss * 0.9,
+                         "val/loss_pos_000000_002048": loss * 1.1, "val/loss_pos_002048_004096": loss})
+    report = write_report(tmp_path, bootstrap=50).read_text()
+    assert "1.546·C^-0.108" in report and "1.464·C^-0.097" in report
+    assert "positions 0-2k" in report and "positions 2k-4k" in report and "trailing window" in report
+    assert (tmp_path / "scaling.png").stat().st_size > 10_000
+    rows = (tmp_path / "runs.csv").read_text().splitlines()
+    assert len(rows) == 9 and "val/loss_pos_002048_004096" in rows[0]
+    # The two laws cross where 1.546 C^-0.108 = 1.464 C^-0.097.
+    c_star = (1.464 / 1.546) ** (1 / (-0.108 + 0.097))
+    assert f"{c_star:.3g}" in report
+
+
+def test_sweep_config_errors_name_the_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"out_dir": "x", "sizes": [], "attention": {"full": {"attention": "full"}}}))
+    with pytest.raises(ValueError, match="sizes"):
+        SweepSpec.from_yaml(path)
+    path.write_text(yaml.safe_dump({"out_dir": "x", "sizes": [{"name": "a", "n_layers": 1, "d_model": 8, "n_heads": 2}],
+                                    "attention": {"full": {"attention": "full"}}, "epochs": 3}))
+    with pytest.raises(ValueError, match="unknown keys.*epochs"):
+        SweepSpec.from_yaml(path)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs" / "sweep").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_sweep_configs_parse(path):
+    spec = SweepSpec.from_yaml(path)
+    assert len(spec.sizes) >= 4 and len(spec.runs()) == len(spec.sizes) * len(spec.attention)
+    assert all(run.steps() >= spec.min_steps for run in spec.runs())
+
+
+def tiny_spec(tmp_path: Path, corpus_cache: Path) -> Path:
+    spec = {
+        "out_dir": str(tmp_path / "sweep"),
+        "seq_len": 128, "batch_size": 2, "tokens_per_parameter": 0.0, "min_steps": 2,
+        "position_window": 32, "trailing_window": 32, "limit_val_batches": 1,
+        "base_config": str(REPO / "configs" / "moba.yaml"),
+        "sizes": [{"name": "a", "n_layers": 1, "d_model": 16, "n_heads": 2},
+                  {"name": "b", "n_layers": 1, "d_model": 32, "n_heads": 2}],
+        "attention": {"moba": {"attention": "moba", "moba_chunk_size": 32, "moba_top_k": 2, "moba_backend": "sdpa"},
+                      "full": {"attention": "full"}},
+        "cli_args": ["--data.max_files", "6", "--data.cache_dir", str(corpus_cache),
+                     "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"],
+    }
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+@pytest.mark.slow
+def test_killed_sweep_resumes_without_redoing_finished_runs(tmp_path, corpus_cache):
+    config = tiny_spec(tmp_path, corpus_cache)
+    sweep = tmp_path / "sweep"
+    command = [sys.executable, "-m", "lit.sweep", str(config)]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    first = sweep / "a-moba" / "result.json"
+    deadline = time.time() + 240
+    while not first.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # as a crash or a pulled plug would
+    proc.wait()
+    assert first.exists(), proc.stdout.read().decode()[-3000:]
+    first_written = first.read_text()
+    assert not (sweep / "b-full" / "result.json").exists(), "the kill should land before the sweep ends"
+
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "a-moba: done, skipped" in done.stdout
+    assert first.read_text() == first_written
+    results = [json.loads((sweep / f"{s}-{a}" / "result.json").read_text()) for s in "ab" for a in ("moba", "full")]
+    assert all("val/loss" in r["metrics"] and r["steps"] == 2 for r in results)
+    report = (sweep / "report.md").read_text()
+    assert "moba" in report and "full" in report and (sweep / "scaling.png").exists()
