@@ -16,7 +16,7 @@ settings.register_profile(
 settings.register_profile("dev", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-CONFORMANCE_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "conformance"
+from conformance_cases import CONFORMANCE_DIR
 
 
 @pytest.fixture(scope="session")

@@ -3,17 +3,8 @@
 import pytest
 import torch
 
-from conftest import CONFORMANCE_DIR
+from conformance_cases import load_cases
 from flexmoba import moba_attention_varlen
-
-FILES = ("moba_naive_edge.pt", "moba_naive_random.pt")
-
-
-def load_cases():
-    if not CONFORMANCE_DIR.is_dir():
-        return []
-    return [case for name in FILES for case in torch.load(CONFORMANCE_DIR / name)]
-
 
 CASES = load_cases()
 CASE_IDS = [case["name"] for case in CASES]
