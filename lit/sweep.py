@@ -169,6 +169,7 @@ def execute(run: Run) -> dict:
         "steps": run.steps(),
         "seconds": time.time() - started,
         "resumed": bool(resume),
+        "cli_args": run.cli_args(),
         **run.compute(),
         "metrics": {k: float(v) for k, v in metrics.items()},
     }
@@ -183,8 +184,12 @@ def run_sweep(spec: SweepSpec) -> list[dict]:
     for i, run in enumerate(runs, 1):
         done = run.folder / "result.json"
         if done.exists():
+            result = json.loads(done.read_text())
+            if result.get("cli_args", run.cli_args()) != run.cli_args():
+                raise ValueError(f"run {run.name} in {run.folder} finished under other settings than the sweep "
+                                 "config now asks for; use a new out_dir or delete that run's folder")
             print(f"[{i}/{len(runs)}] {run.name}: done, skipped", flush=True)
-            results.append(json.loads(done.read_text()))
+            results.append(result)
             continue
         state = "resuming" if (run.folder / "checkpoints" / "last.ckpt").exists() else "starting"
         print(f"[{i}/{len(runs)}] {run.name}: {state}, {run.steps()} steps", flush=True)

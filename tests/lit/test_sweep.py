@@ -107,3 +107,10 @@ def test_killed_sweep_resumes_without_redoing_finished_runs(tmp_path, corpus_cac
     assert all("val/loss" in r["metrics"] and r["steps"] == 2 for r in results)
     report = (sweep / "report.md").read_text()
     assert "moba" in report and "full" in report and (sweep / "scaling.png").exists()
+
+    # Changing the sweep's settings must not silently mix old runs into a new study.
+    spec = yaml.safe_load(config.read_text())
+    spec["seq_len"] = 64
+    config.write_text(yaml.safe_dump(spec))
+    changed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert changed.returncode != 0 and "finished under other settings" in changed.stderr
