@@ -1,4 +1,9 @@
-"""``flexmoba`` command line: LightningCLI over :class:`LitLM` and :class:`PythonSourceData`.
+"""``flexmoba`` command line: LightningCLI over :class:`LitLM` and any LightningDataModule.
+
+``data`` defaults to :class:`PythonSourceData`, whose arguments a config may give directly
+(``data: {seq_len: 1024}``); another module is named by ``data.class_path`` (e.g.
+``lit.retrieval.RetrievalData``, see ``configs/retrieval/``). Every data module must take
+``seq_len``, which is linked to ``model.seq_len``.
 
     flexmoba fit --config configs/moba.yaml
     flexmoba fit --config configs/moba.yaml --config configs/tiny.yaml --trainer.max_steps 20
@@ -15,6 +20,7 @@ from __future__ import annotations
 import os
 import warnings
 
+import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -46,7 +52,9 @@ class FlexMobaCLI(LightningCLI):
             "checkpoint.save_top_k": 1,
         })
         parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=checkpoint_dir)
-        parser.link_arguments("data.seq_len", "model.seq_len")
+        # Subclass mode with a default class: old configs' bare ``data:`` arguments still apply to it.
+        parser.set_defaults({"data": {"class_path": f"{PythonSourceData.__module__}.{PythonSourceData.__name__}"}})
+        parser.link_arguments("data.init_args.seq_len", "model.seq_len")
 
     def instantiate_trainer(self, **kwargs):
         trainer_config = self._get(self.config_init, "trainer", default={})
@@ -59,7 +67,8 @@ def run_cli(args: list[str] | None = None) -> FlexMobaCLI:
     """Run the CLI (in-process when ``args`` are given) and return it, trainer and model included."""
     return FlexMobaCLI(
         LitLM,
-        PythonSourceData,
+        L.LightningDataModule,
+        subclass_mode_data=True,
         args=args,
         seed_everything_default=1337,
         save_config_kwargs={"overwrite": True},
