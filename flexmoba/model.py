@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flexmoba.attention import moba_attention
+from flexmoba.decode import MoBAKVCache, dense_causal_attention, moba_decode_attention
 
 ATTENTION_KINDS = ("moba", "full")
 
@@ -144,15 +145,18 @@ class CausalSelfAttention(nn.Module):
     def active_kind(self) -> str:
         return self.override or self.kind
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x: [B, S, C]`` -> ``[B, S, C]``."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: MoBAKVCache | None = None, dense_decode: bool = False) -> torch.Tensor:
+        """``x: [B, S, C]`` -> ``[B, S, C]``; with ``cache``, x holds the newest S positions."""
         B, S, _ = x.shape
         cfg = self.config
         q = self.wq(x).view(B, S, cfg.n_heads, cfg.head_dim).transpose(1, 2)  # [B, H, S, D]
         k = self.wk(x).view(B, S, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)  # [B, H_kv, S, D]
         v = self.wv(x).view(B, S, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.active_kind == "moba":
+        if cache is not None:
+            y = self._attend_cached(q, k, v, cache, dense_decode)
+        elif self.active_kind == "moba":
             y = moba_attention(
                 q, k, v,
                 chunk_size=cfg.moba_chunk_size,
@@ -163,6 +167,13 @@ class CausalSelfAttention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=cfg.n_kv_heads != cfg.n_heads)
         return self.wo(y.transpose(1, 2).reshape(B, S, cfg.n_heads * cfg.head_dim))
+
+    def _attend_cached(self, q, k, v, cache: MoBAKVCache, dense_decode: bool) -> torch.Tensor:
+        """Append k, v to the cache; attend the new queries over it (MoBA decode or full causal)."""
+        cache.update(k, v)
+        if self.active_kind == "moba":
+            return moba_decode_attention(q, cache, top_k=self.config.moba_top_k, dense_decode=dense_decode)
+        return dense_causal_attention(q, cache.keys, cache.values, cache.sums.start)
 
 
 class SwiGLU(nn.Module):
@@ -184,8 +195,9 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(config.d_model)
         self.mlp = SwiGLU(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: MoBAKVCache | None = None, dense_decode: bool = False) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, dense_decode)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -233,28 +245,66 @@ class GPT(nn.Module):
     def attention_override(self) -> str | None:
         return self.blocks[0].attn.override
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """``tokens: [B, S]`` int -> logits ``[B, S, V]``."""
+    def forward(self, tokens: torch.Tensor, caches: list[MoBAKVCache] | None = None,
+                dense_decode: bool = False) -> torch.Tensor:
+        """``tokens: [B, S]`` int -> logits ``[B, S, V]``.
+
+        With ``caches`` (one :class:`MoBAKVCache` per layer) the tokens continue what the
+        caches hold, and their keys and values are appended: incremental decoding.
+        """
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [B, S], got shape {tuple(tokens.shape)}")
-        cos, sin = rope_tables(tokens.shape[1], self.config.head_dim, self.config.rope_base, tokens.device)
+        past = caches[0].length if caches else 0
+        cos, sin = rope_tables(past + tokens.shape[1], self.config.head_dim, self.config.rope_base, tokens.device)
+        cos, sin = cos[past:], sin[past:]
         x = self.tok_emb(tokens)
-        for block in self.blocks:
-            x = block(x, cos, sin)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, caches[i] if caches else None, dense_decode)
         return self.lm_head(self.norm(x))
 
+    def new_caches(self) -> list[MoBAKVCache]:
+        return [MoBAKVCache(self.config.moba_chunk_size) for _ in self.blocks]
+
     @torch.no_grad()
-    def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0) -> torch.Tensor:
+    def generate(
+        self,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+        use_cache: bool = True,
+        dense_decode: bool = False,
+    ) -> torch.Tensor:
         """Extend ``prompt: [B, S]`` by ``max_new_tokens``; greedy when ``temperature == 0``.
 
-        No KV cache: the whole sequence is re-run per token, fine for a few bytes.
+        With ``use_cache`` the prompt is prefilled once and each new token attends the KV
+        caches (MoBA decode: it gathers only its selected chunks); ``dense_decode`` gives new
+        tokens full attention, the paper's protocol. Tile granularity has no decode path, so
+        it re-runs the whole sequence per token, as ``use_cache=False`` does.
         """
-        tokens = prompt
+        use_cache = use_cache and self.config.moba_granularity == "token"
+        caches = self.new_caches() if use_cache else None
+        tokens, step_input = prompt, prompt
         for _ in range(max_new_tokens):
-            logits = self(tokens)[:, -1].float()
-            if temperature > 0:
-                next_token = torch.multinomial(F.softmax(logits / temperature, dim=-1), 1)
+            if use_cache:
+                logits = self(step_input, caches, dense_decode)[:, -1]
             else:
-                next_token = logits.argmax(dim=-1, keepdim=True)
+                logits = self(tokens)[:, -1]
+            next_token = sample_next_token(logits, temperature, top_k, generator)
             tokens = torch.cat([tokens, next_token], dim=1)
+            step_input = next_token
         return tokens
+
+
+def sample_next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
+                      generator: torch.Generator | None = None) -> torch.Tensor:
+    """``logits: [B, V]`` -> ``[B, 1]``: argmax when ``temperature == 0``, else a top-k-truncated sample."""
+    logits = logits.float()
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        threshold = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)

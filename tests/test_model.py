@@ -118,3 +118,29 @@ def test_flop_accounting():
     assert attention_flops_per_sequence(config, 6) == 3 * expected
     assert dense_flops_per_token(config) == 6 * config.num_parameters(non_embedding=True)
     assert attention_sparsity(tiny(moba_chunk_size=32, moba_top_k=2), 64) == 0.0
+
+
+@pytest.mark.parametrize("attention, kv_heads", [("moba", 2), ("moba", 4), ("full", 2)])
+def test_cached_decoding_equals_one_parallel_forward(attention, kv_heads):
+    torch.manual_seed(0)
+    config = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=kv_heads, attention=attention,
+                         moba_chunk_size=8, moba_top_k=2, full_attention_last_n_layers=1 if attention == "moba" else 0,
+                         moba_backend="sdpa")
+    model = GPT(config).eval()
+    tokens = torch.randint(0, 256, (2, 45))
+    with torch.no_grad():
+        parallel = model(tokens)
+        caches = model.new_caches()
+        prefill = model(tokens[:, :13], caches)  # chunked prefill, then one token at a time
+        steps = [model(tokens[:, t:t + 1], caches) for t in range(13, 45)]
+    torch.testing.assert_close(torch.cat([prefill, *steps], dim=1), parallel, atol=1e-4, rtol=1e-4)
+
+
+def test_generate_with_and_without_cache_agree():
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(n_layers=2, d_model=32, n_heads=2, moba_chunk_size=4, moba_top_k=2,
+                            moba_backend="sdpa")).eval()
+    prompt = torch.randint(0, 256, (1, 10))
+    cached = model.generate(prompt, 20)
+    recomputed = model.generate(prompt, 20, use_cache=False)
+    assert cached.shape == (1, 30) and torch.equal(cached, recomputed)
