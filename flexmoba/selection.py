@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from flexmoba import _checks
 from flexmoba.layout import ChunkLayout, chunk_layout
@@ -52,6 +53,8 @@ def chunk_means(k: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
     in their own dtype and only then casts to fp32.
     """
     B, H_kv, S, D = k.shape
+    if not layout.has_documents:  # chunks are fixed windows: a reshape instead of scatters
+        return _window_means(k, layout.chunk_size).to(k.dtype).float()
     index = layout.global_chunk[:, None, :].expand(B, H_kv, S)
     sums = k.new_zeros(B, H_kv, layout.n_global_chunks, D, dtype=torch.float32)
     sums.scatter_add_(2, index[..., None].expand(B, H_kv, S, D), k.float())
@@ -60,8 +63,21 @@ def chunk_means(k: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
     return (sums / counts[:, None, :, None]).to(k.dtype).float()
 
 
+def _window_means(x: torch.Tensor, window: int) -> torch.Tensor:
+    """``[B, H, S, D]`` -> ``[B, H, ceil(S / window), D]`` fp32 means of consecutive windows."""
+    B, H, S, D = x.shape
+    n = -(-S // window)
+    sums = F.pad(x.float(), (0, 0, 0, n * window - S)).view(B, H, n, window, D).sum(3)
+    counts = torch.full((n, 1), float(window), device=x.device)
+    counts[-1] = S - (n - 1) * window
+    return sums / counts
+
+
 def tile_mean_queries(q: torch.Tensor, layout: ChunkLayout, tile: int) -> torch.Tensor:
-    """``q: [B, H, S, D]`` -> ``[B, H, S, D]`` fp32, each query replaced by its tile's mean."""
+    """``q: [B, H, S, D]`` -> ``[B, H, S, D]`` fp32, each query replaced by its tile's mean.
+
+    Tiles start at each document start (used with documents; without, see :func:`gate_rows`).
+    """
     B, H, S, D = q.shape
     positions = torch.arange(S, device=q.device)
     tile_id = torch.cumsum((positions - layout.doc_start) % tile == 0, dim=1) - 1  # [B, S]
@@ -72,31 +88,50 @@ def tile_mean_queries(q: torch.Tensor, layout: ChunkLayout, tile: int) -> torch.
     return sums.gather(2, index) / counts.gather(1, tile_id)[:, None, :, None]
 
 
-def gate_scores(q: torch.Tensor, k: torch.Tensor, layout: ChunkLayout, granularity) -> torch.Tensor:
-    """``[B, H, S, n_chunks]`` fp32: query . mean key of each chunk of the query's document."""
-    B, H, S, D = q.shape
+def gate_rows(q: torch.Tensor, layout: ChunkLayout, granularity) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The queries the gate scores: ``(rows [B, H, R, D] fp32, own chunk [B, R], positions per row)``.
+
+    One row per token, except for tiles without documents: one row per tile (its mean
+    query), whose selection every query of the tile then shares.
+    """
+    if granularity == "token":
+        return q.float(), layout.local_chunk, 1
+    if layout.has_documents:
+        return tile_mean_queries(q, layout, granularity), layout.local_chunk, 1
+    rows = _window_means(q, granularity)
+    own = layout.local_chunk[:, ::granularity]  # a tile never straddles a chunk
+    return rows, own, granularity
+
+
+def gate_scores(rows: torch.Tensor, k: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
+    """``rows: [B, H, R, D]`` -> ``[B, H, R, n_chunks]`` fp32: row . mean key of each chunk of its document.
+
+    With documents, rows are tokens (R = S).
+    """
+    B, H, R, D = rows.shape
     H_kv = k.shape[1]
-    q32 = q.float() if granularity == "token" else tile_mean_queries(q, layout, granularity)
     means = chunk_means(k, layout)  # [B, H_kv, G, D]
     # Query head h gates against kv head h // (H / H_kv), as in GQA.
-    scores = q32.view(B, H_kv, H // H_kv, S, D) @ means[:, :, None].transpose(-1, -2)
-    scores = scores.view(B, H, S, layout.n_global_chunks)
+    scores = rows.view(B, H_kv, H // H_kv, R, D) @ means[:, :, None].transpose(-1, -2)
+    scores = scores.view(B, H, R, layout.n_global_chunks)
     if not layout.has_documents:
         return scores
     # Rebase global chunk indices on each query's own document.
-    local = torch.arange(layout.n_chunks, device=q.device)
+    local = torch.arange(layout.n_chunks, device=rows.device)
     index = (layout.first_global_chunk[:, :, None] + local).clamp(max=layout.n_global_chunks - 1)
-    return scores.gather(-1, index[:, None].expand(B, H, S, layout.n_chunks))
+    return scores.gather(-1, index[:, None].expand(B, H, R, layout.n_chunks))
 
 
-def select_past_chunks(scores: torch.Tensor, layout: ChunkLayout, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top ``top_k - 1`` strictly-past chunks per query: ``(indices, valid)``, each ``[B, H, S, P]``."""
-    n_past = min(top_k - 1, layout.n_chunks - 1)
-    own = layout.local_chunk[:, None, :, None]  # [B, 1, S, 1]
-    local = torch.arange(layout.n_chunks, device=scores.device)
-    eligible = (local < own) & ~torch.isnan(scores)
+def select_past_chunks(scores: torch.Tensor, own: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top ``top_k - 1`` chunks before ``own: [B, R]`` per row of ``scores: [B, H, R, n_chunks]``.
+
+    Returns ``(indices, valid)``, each ``[B, H, R, P]`` with ``P = min(top_k - 1, n_chunks - 1)``.
+    """
+    n_chunks = scores.shape[-1]
+    local = torch.arange(n_chunks, device=scores.device)
+    eligible = (local < own[:, None, :, None]) & ~torch.isnan(scores)
     scores = scores.masked_fill(~eligible, float("-inf"))
-    values, indices = scores.topk(n_past, dim=-1)
+    values, indices = scores.topk(min(top_k - 1, n_chunks - 1), dim=-1)
     return indices, values > float("-inf")
 
 
@@ -113,8 +148,11 @@ def select_chunks(
     B, H, S, _ = q.shape
     layout = chunk_layout(B, S, chunk_size, q.device, document_ids)
     with torch.no_grad():
-        scores = gate_scores(q.detach(), k.detach(), layout, granularity)
-        past_chunks, past_valid = select_past_chunks(scores, layout, top_k)
+        rows, own, positions_per_row = gate_rows(q.detach(), layout, granularity)
+        past_chunks, past_valid = select_past_chunks(gate_scores(rows, k.detach(), layout), own, top_k)
+        if positions_per_row > 1:
+            past_chunks = past_chunks.repeat_interleave(positions_per_row, dim=2)[:, :, :S]
+            past_valid = past_valid.repeat_interleave(positions_per_row, dim=2)[:, :, :S]
         chunks = torch.zeros(B, H, S, layout.n_chunks, dtype=torch.bool, device=q.device)
         chunks.scatter_(-1, past_chunks, past_valid)
         chunks.scatter_(-1, layout.local_chunk[:, None, :, None].expand(B, H, S, 1), True)
