@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from flexmoba.model import GPT, ModelConfig, apply_rope, rope_tables
+from flexmoba.model import GPT, ModelConfig, capture_attention_inputs
 from flexmoba.selection import select_chunks
 
 DISTANCE_BINS = [(1, 1), (2, 2), (3, 3), (4, 4), (5, 8), (9, 16), (17, 32), (33, None)]
@@ -70,27 +70,7 @@ def capture_qkv(model: GPT, seq_len: int, device: torch.device) -> list[tuple[to
     if device.type == "cpu" and cfg.moba_backend in ("auto", "flex"):
         cfg.moba_backend = "gather"  # same math, no flex compile just to run the model on CPU
     tokens = corpus_tokens(seq_len).to(device)
-    projections: list[dict] = [{} for _ in model.blocks]
-    handles = []
-    for layer, block in enumerate(model.blocks):
-        for name in ("wq", "wk", "wv"):
-            def hook(module, inputs, output, layer=layer, name=name):
-                projections[layer][name] = output
-            handles.append(getattr(block.attn, name).register_forward_hook(hook))
-    try:
-        model(tokens)
-    finally:
-        for h in handles:
-            h.remove()
-    cos, sin = rope_tables(seq_len, cfg.head_dim, cfg.rope_base, device)
-    captured = []
-    for p in projections:
-        def heads(x, n):
-            return x.view(1, seq_len, n, cfg.head_dim).transpose(1, 2).contiguous()
-        q = apply_rope(heads(p["wq"], cfg.n_heads), cos, sin)
-        k = apply_rope(heads(p["wk"], cfg.n_kv_heads), cos, sin)
-        captured.append((q, k, heads(p["wv"], cfg.n_kv_heads)))
-    return captured
+    return [tuple(x.contiguous() for x in qkv) for qkv in capture_attention_inputs(model, tokens)]
 
 
 def bin_label(lo: int, hi: int | None) -> str:

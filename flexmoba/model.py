@@ -297,6 +297,37 @@ class GPT(nn.Module):
         return tokens
 
 
+@torch.no_grad()
+def capture_attention_inputs(model: GPT, tokens: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per layer ``(q [B, H, S, D], k [B, H_kv, S, D], v [B, H_kv, S, D])`` as attention sees them.
+
+    Forward hooks catch each layer's projections during one forward of ``tokens: [B, S]``;
+    RoPE is re-applied exactly as :class:`CausalSelfAttention` does. For diagnostics and
+    benchmarks that need real queries and keys.
+    """
+    cfg = model.config
+    B, S = tokens.shape
+    projections: list[dict[str, torch.Tensor]] = [{} for _ in model.blocks]
+    handles = []
+    for store, block in zip(projections, model.blocks):
+        for name in ("wq", "wk", "wv"):
+            def keep(module, args, out, store=store, name=name):
+                store[name] = out
+            handles.append(getattr(block.attn, name).register_forward_hook(keep))
+    try:
+        model(tokens)
+    finally:
+        for handle in handles:
+            handle.remove()
+    cos, sin = rope_tables(S, cfg.head_dim, cfg.rope_base, tokens.device)
+
+    def heads(x: torch.Tensor, n: int) -> torch.Tensor:  # [B, S, n * D] -> [B, n, S, D]
+        return x.view(B, S, n, cfg.head_dim).transpose(1, 2)
+
+    return [(apply_rope(heads(p["wq"], cfg.n_heads), cos, sin), apply_rope(heads(p["wk"], cfg.n_kv_heads), cos, sin),
+             heads(p["wv"], cfg.n_kv_heads)) for p in projections]
+
+
 def sample_next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
                       generator: torch.Generator | None = None) -> torch.Tensor:
     """``logits: [B, V]`` -> ``[B, 1]``: argmax when ``temperature == 0``, else a top-k-truncated sample."""

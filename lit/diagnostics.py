@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from flexmoba.diagnostics import distance_histogram, gate_recall, selects_position
-from flexmoba.model import GPT, apply_rope, rope_tables
+from flexmoba.model import GPT, capture_attention_inputs
 from flexmoba.selection import select_chunks
 
 
@@ -77,33 +77,9 @@ class Needles:
     query_positions: torch.Tensor
 
 
-@torch.no_grad()
 def capture_queries_keys(model: GPT, tokens: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer ``(q [B, H, S, D], k [B, H_kv, S, D])`` after RoPE, as attention sees them.
-
-    Forward hooks on each layer's ``wq``/``wk`` catch the projections; RoPE is re-applied
-    here exactly as :class:`flexmoba.model.CausalSelfAttention` does.
-    """
-    cfg = model.config
-    B, S = tokens.shape
-    projections: list[dict[str, torch.Tensor]] = [{} for _ in model.blocks]
-    handles = []
-    for store, block in zip(projections, model.blocks):
-        for name in ("wq", "wk"):
-            hook = (lambda name, store: lambda module, args, out: store.__setitem__(name, out))(name, store)
-            handles.append(getattr(block.attn, name).register_forward_hook(hook))
-    try:
-        model(tokens)
-    finally:
-        for handle in handles:
-            handle.remove()
-    cos, sin = rope_tables(S, cfg.head_dim, cfg.rope_base, tokens.device)
-    pairs = []
-    for store in projections:
-        q = store["wq"].view(B, S, cfg.n_heads, cfg.head_dim).transpose(1, 2)
-        k = store["wk"].view(B, S, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
-        pairs.append((apply_rope(q, cos, sin), apply_rope(k, cos, sin)))
-    return pairs
+    """Per layer ``(q [B, H, S, D], k [B, H_kv, S, D])`` after RoPE, as attention sees them."""
+    return [(q, k) for q, k, _ in capture_attention_inputs(model, tokens)]
 
 
 def needle_hits(selection, needles: Needles) -> tuple[torch.Tensor, torch.Tensor]:
