@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flexmoba import _checks
+from flexmoba import _checks, selection
+from flexmoba.selection import scores_against_means
 
 # Up to this many new queries, attend by gathering each query's selected keys
 # (O(top_k * chunk_size) per query); beyond it (chunked prefill) use one [S_new, T] mask.
@@ -163,24 +164,12 @@ class MoBAKVCache:
 
 
 def select_past_chunks(q: torch.Tensor, means: torch.Tensor, own: torch.Tensor, top_k: int):
-    """MoBA's gate over complete past chunks.
-
-    Args:
-        q: ``[B, H, S_new, D]`` queries.
-        means: ``[B, H_kv, N, D]`` fp32 chunk means.
-        own: ``[B, S_new]`` each query's own chunk; only chunks ``< own`` are eligible.
-
-    Returns:
-        ``(chunks, valid)``, each ``[B, H, S_new, P]``, ``P = min(top_k - 1, N)``.
+    """MoBA's gate over the cached chunks: ``q: [B, H, S_new, D]``, ``means: [B, H_kv, N, D]``,
+    ``own: [B, S_new]`` -> ``(chunks, valid)``, each ``[B, H, S_new, P]``.
     """
-    B, H, S_new, D = q.shape
-    H_kv, N = means.shape[1], means.shape[2]
     with torch.no_grad():
-        scores = q.detach().float().view(B, H_kv, H // H_kv, S_new, D) @ means[:, :, None].transpose(-1, -2)
-        scores = scores.view(B, H, S_new, N)
-        eligible = (torch.arange(N, device=q.device) < own[:, None, :, None]) & ~torch.isnan(scores)
-        values, chunks = scores.masked_fill(~eligible, float("-inf")).topk(min(top_k - 1, N), dim=-1)
-    return chunks, values > float("-inf")
+        scores = scores_against_means(q.detach().float(), means)
+        return selection.select_past_chunks(scores, own, top_k)
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:

@@ -103,17 +103,24 @@ def gate_rows(q: torch.Tensor, layout: ChunkLayout, granularity) -> tuple[torch.
     return rows, own, granularity
 
 
+def scores_against_means(rows: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
+    """``rows: [B, H, R, D]`` fp32 . ``means: [B, H_kv, N, D]`` -> ``[B, H, R, N]``.
+
+    Query head h gates against KV head ``h // (H / H_kv)``, as in GQA.
+    """
+    B, H, R, D = rows.shape
+    H_kv, N = means.shape[1], means.shape[2]
+    scores = rows.view(B, H_kv, H // H_kv, R, D) @ means[:, :, None].transpose(-1, -2)
+    return scores.view(B, H, R, N)
+
+
 def gate_scores(rows: torch.Tensor, k: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
     """``rows: [B, H, R, D]`` -> ``[B, H, R, n_chunks]`` fp32: row . mean key of each chunk of its document.
 
     With documents, rows are tokens (R = S).
     """
     B, H, R, D = rows.shape
-    H_kv = k.shape[1]
-    means = chunk_means(k, layout)  # [B, H_kv, G, D]
-    # Query head h gates against kv head h // (H / H_kv), as in GQA.
-    scores = rows.view(B, H_kv, H // H_kv, R, D) @ means[:, :, None].transpose(-1, -2)
-    scores = scores.view(B, H, R, layout.n_global_chunks)
+    scores = scores_against_means(rows, chunk_means(k, layout))
     if not layout.has_documents:
         return scores
     # Rebase global chunk indices on each query's own document.
