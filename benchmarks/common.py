@@ -58,3 +58,17 @@ def write_report(name: str, rows: list[dict], table: str, out_dir: Path) -> Path
     path = out_dir / f"{name}.md"
     path.write_text(f"Machine: `{json.dumps(machine())}`\n\n{table}\n")
     return path
+
+
+def print_row(row: dict, columns: list[tuple[str, str]]) -> None:
+    """One table row as soon as it is measured (progress for long runs)."""
+    print(markdown_table([row], columns).splitlines()[-1], flush=True)
+
+
+def finish_report(name: str, rows: list[dict], columns: list[tuple[str, str]], out_dir: Path) -> Path:
+    """Write the JSON and Markdown report, print the table and where it went."""
+    table = markdown_table(rows, columns)
+    path = write_report(name, rows, table, out_dir)
+    print(table)
+    print(f"written to {path}")
+    return path

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import markdown_table, median_seconds, write_report
+from benchmarks.common import finish_report, median_seconds, print_row
 from flexmoba import moba_reference
 from flexmoba.decode import MoBAKVCache, moba_decode_attention
 
@@ -106,12 +106,9 @@ def main(argv=None) -> None:
     rows = []
     for seq_len in args.seq_lens:
         row = measure(args, seq_len)
-        print(markdown_table([row], COLUMNS).splitlines()[-1], flush=True)
+        print_row(row, COLUMNS)
         rows.append(row)
-    table = markdown_table(rows, COLUMNS)
-    path = write_report("decode", rows, table, args.out)
-    print(table)
-    print(f"written to {path}")
+    finish_report("decode", rows, COLUMNS, args.out)
 
 
 if __name__ == "__main__":

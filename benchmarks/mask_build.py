@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import markdown_table, median_seconds, write_report
+from benchmarks.common import finish_report, median_seconds, print_row
 from flexmoba import compiled_flex_attention, moba_block_mask
 from flexmoba.attention import flex_moba_attention
 
@@ -64,12 +64,9 @@ def main(argv=None) -> None:
     for seq_len in args.seq_lens:
         for granularity in ("token", args.tile):
             row = measure(seq_len, granularity, args.heads, args.head_dim, args.chunk_size, args.top_k, args.repeats)
-            print(markdown_table([row], COLUMNS).splitlines()[-1], flush=True)
+            print_row(row, COLUMNS)
             rows.append(row)
-    table = markdown_table(rows, COLUMNS)
-    path = write_report("mask_build", rows, table, args.out)
-    print(table)
-    print(f"written to {path}")
+    finish_report("mask_build", rows, COLUMNS, args.out)
 
 
 if __name__ == "__main__":
