@@ -22,8 +22,21 @@ def documents(document_ids, seq_len):
     return runs
 
 
-def selected_chunks(q, k, chunk_size, top_k, granularity="token", document_ids=None):
-    """Per (b, h, t): sorted list of (chunk_start, chunk_end) key ranges attended, own chunk cut at t."""
+def chunk_mean(keys, round_to_key_dtype=True):
+    """Mean of ``keys: [n, D]`` as the official gate takes it: computed exactly, rounded to
+    the keys' dtype (a no-op in fp32, visible in bf16 and fp16), then used in fp32."""
+    mean = keys.double().mean(0)
+    return (mean.to(keys.dtype) if round_to_key_dtype else mean).float()
+
+
+def past_scores(q, k, chunk_size, granularity="token", document_ids=None, round_means=True):
+    """Per (b, h, t): ``(bounds, own, scores)``: the (start, end) of every chunk of t's
+    document, the index of t's own chunk, and the gate score of each past chunk j < own.
+
+    A score is the fp32 dot of the query (with tiles: the tile's mean query) with the
+    chunk's :func:`chunk_mean`; ``round_means=False`` skips the rounding to k's dtype (to
+    show that a test can tell the difference).
+    """
     B, H, S, _ = q.shape
     group = H // k.shape[1]
     out = {}
@@ -32,7 +45,7 @@ def selected_chunks(q, k, chunk_size, top_k, granularity="token", document_ids=N
             starts = list(range(doc_start, doc_end, chunk_size))
             bounds = [(s, min(s + chunk_size, doc_end)) for s in starts]
             for h in range(H):
-                means = [k[b, h // group, s:e].mean(0).float() for s, e in bounds]
+                means = [chunk_mean(k[b, h // group, s:e], round_means) for s, e in bounds]
                 for t in range(doc_start, doc_end):
                     own = (t - doc_start) // chunk_size
                     if granularity == "token":
@@ -40,18 +53,27 @@ def selected_chunks(q, k, chunk_size, top_k, granularity="token", document_ids=N
                     else:
                         tile_start = doc_start + (t - doc_start) // granularity * granularity
                         query = q[b, h, tile_start:min(tile_start + granularity, doc_end)].float().mean(0)
-                    scored = [(float(query @ means[j]), j) for j in range(own)]
-                    scored.sort(reverse=True)
-                    chosen = sorted(j for _, j in scored[: top_k - 1]) + [own]
-                    out[b, h, t] = [(bounds[j][0], bounds[j][1] if j < own else t + 1) for j in chosen]
+                    out[b, h, t] = bounds, own, [float(query @ means[j]) for j in range(own)]
     return out
 
 
-def dense_mask(q, k, chunk_size, top_k, granularity="token", document_ids=None):
+def selected_chunks(q, k, chunk_size, top_k, granularity="token", document_ids=None, round_means=True):
+    """Per (b, h, t): sorted list of (chunk_start, chunk_end) key ranges attended, own chunk cut at t."""
+    out = {}
+    for (b, h, t), (bounds, own, scores) in past_scores(q, k, chunk_size, granularity, document_ids,
+                                                        round_means).items():
+        scored = sorted(((score, j) for j, score in enumerate(scores)), reverse=True)
+        chosen = sorted(j for _, j in scored[: top_k - 1]) + [own]
+        out[b, h, t] = [(bounds[j][0], bounds[j][1] if j < own else t + 1) for j in chosen]
+    return out
+
+
+def dense_mask(q, k, chunk_size, top_k, granularity="token", document_ids=None, round_means=True):
     """``[B, H, S, S]`` bool built from :func:`selected_chunks`."""
     B, H, S, _ = q.shape
     mask = torch.zeros(B, H, S, S, dtype=torch.bool)
-    for (b, h, t), ranges in selected_chunks(q, k, chunk_size, top_k, granularity, document_ids).items():
+    for (b, h, t), ranges in selected_chunks(q, k, chunk_size, top_k, granularity, document_ids,
+                                             round_means).items():
         for s, e in ranges:
             mask[b, h, t, s:e] = True
     return mask

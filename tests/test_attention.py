@@ -9,27 +9,43 @@ from hypothesis import strategies as st
 import oracle
 from flexmoba import compiled_flex_attention, moba_attention, moba_block_mask, moba_reference, select_chunks
 from flexmoba.gather import gather_moba_attention
-from strategies import flex_problems, problems
+from strategies import flex_problems, problems, with_examples
+
+# Every backend that runs on CPU with gradients; "reference" is moba_reference.
+BACKENDS = ["sdpa", "gather", "reference"]
+
+
+def run_backend(backend, q, k, v, **kwargs):
+    """MoBA attention by one named backend (``"reference"``: :func:`moba_reference`)."""
+    if backend == "reference":
+        return moba_reference(q, k, v, **kwargs)
+    return moba_attention(q, k, v, backend=backend, **kwargs)
 
 
 def oracle_out(problem):
-    kw = dict(problem.kwargs)
-    return oracle.attention(problem.q, problem.k, problem.v, **kw)
+    return oracle.attention(problem.q, problem.k, problem.v, **problem.attention_kwargs)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@with_examples()
 @given(problems())
-def test_sdpa_gather_and_reference_equal_oracle(problem):
-    expected = oracle_out(problem)
-    for got in (moba_attention(problem.q, problem.k, problem.v, backend="sdpa", **problem.kwargs),
-                moba_attention(problem.q, problem.k, problem.v, backend="gather", **problem.kwargs),
-                moba_reference(problem.q, problem.k, problem.v, **problem.kwargs)):
-        torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+def test_backend_equals_oracle(backend, problem):
+    got = run_backend(backend, problem.q, problem.k, problem.v, **problem.attention_kwargs)
+    torch.testing.assert_close(got.double(), oracle_out(problem), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@with_examples("custom_scale", "all_at_once")
+@given(problems(scaled=True))
+def test_custom_scale_equals_oracle(backend, problem):
+    got = run_backend(backend, problem.q, problem.k, problem.v, **problem.attention_kwargs)
+    torch.testing.assert_close(got.double(), oracle_out(problem), atol=1e-5, rtol=1e-5)
 
 
 @given(problems(), st.integers(1, 9))
 def test_gather_any_group_size_equals_oracle(problem, group_size):
     selection = select_chunks(problem.q, problem.k, **problem.kwargs)
-    got = gather_moba_attention(problem.q, problem.k, problem.v, selection, group_size=group_size)
+    got = gather_moba_attention(problem.q, problem.k, problem.v, selection, problem.scale, group_size=group_size)
     torch.testing.assert_close(got.double(), oracle_out(problem), atol=1e-5, rtol=1e-5)
 
 
@@ -38,11 +54,11 @@ def test_gather_any_group_size_equals_oracle(problem, group_size):
 @given(flex_problems())
 def test_compiled_flex_equals_sdpa_and_oracle(problem):
     expected = oracle_out(problem)
-    sdpa = moba_attention(problem.q, problem.k, problem.v, backend="sdpa", **problem.kwargs)
-    flex = moba_attention(problem.q, problem.k, problem.v, backend="flex", **problem.kwargs)
+    sdpa = moba_attention(problem.q, problem.k, problem.v, backend="sdpa", **problem.attention_kwargs)
+    flex = moba_attention(problem.q, problem.k, problem.v, backend="flex", **problem.attention_kwargs)
     # Small blocks: a sparse table with skipped, partial and full blocks in the fused kernel.
     block_mask = moba_block_mask(problem.q, problem.k, block_size=16, **problem.kwargs)
-    sparse = compiled_flex_attention()(problem.q, problem.k, problem.v, block_mask=block_mask,
+    sparse = compiled_flex_attention()(problem.q, problem.k, problem.v, block_mask=block_mask, scale=problem.scale,
                                        enable_gqa=problem.q.shape[1] != problem.k.shape[1])
     for got in (sdpa, flex, sparse):
         torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
@@ -60,21 +76,40 @@ def test_future_keys_and_values_never_change_earlier_outputs(problem):
     torch.testing.assert_close(out2[:, :, :cut], out[:, :, :cut], atol=0, rtol=0)
 
 
+def runs(problem, b):
+    """(start, end) of each document of row b (the oracle's runs)."""
+    ids = None if problem.document_ids is None else problem.document_ids[b]
+    return oracle.documents(ids, problem.q.shape[2])
+
+
+def assert_documents_isolated(backend, problem):
+    """In each row take the longest document; noise everywhere else must not change its
+    outputs, and noise inside it must not change anything else. Earlier documents with the
+    same id, later ones, one-token ones: all are "everywhere else"."""
+    B, _, S, _ = problem.q.shape
+    inside = torch.zeros(B, S, dtype=torch.bool)
+    for b in range(B):
+        start, end = max(runs(problem, b), key=lambda run: run[1] - run[0])
+        inside[b, start:end] = True
+    kw = problem.attention_kwargs
+    out = run_backend(backend, problem.q, problem.k, problem.v, **kw)
+    gen = torch.Generator().manual_seed(0)
+    for region, name in ((~inside, "other documents"), (inside, "the longest document")):
+        where = region[:, None, :, None]
+        q, k, v = (torch.where(where, 3 * torch.randn(x.shape, generator=gen), x)
+                   for x in (problem.q, problem.k, problem.v))
+        noisy = run_backend(backend, q, k, v, **kw)
+        keep = ~region[:, None, :, None].expand_as(out)
+        assert torch.equal(noisy[keep], out[keep]), f"noise in {name} leaked out of it: {problem}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@with_examples("reused_ids", "one_token_documents", "all_at_once")
 @given(problems())
-def test_no_attention_across_documents(problem):
-    if problem.document_ids is None:
+def test_documents_are_isolated(backend, problem):
+    if problem.document_ids is None or all(len(runs(problem, b)) == 1 for b in range(problem.q.shape[0])):
         return
-    out = moba_attention(problem.q, problem.k, problem.v, backend="sdpa", **problem.kwargs)
-    first = problem.document_ids == problem.document_ids[:, :1]
-    first &= torch.cumprod(first.long(), dim=1).bool()  # the first run only
-    noise = torch.randn_like
-    other = ~first[:, None, :, None]
-    q2 = torch.where(other, noise(problem.q), problem.q)
-    k2 = torch.where(other, noise(problem.k), problem.k)
-    v2 = torch.where(other, noise(problem.v), problem.v)
-    out2 = moba_attention(q2, k2, v2, backend="sdpa", **problem.kwargs)
-    keep = first[:, None, :, None].expand_as(out)
-    assert torch.equal(out2[keep], out[keep])
+    assert_documents_isolated(backend, problem)
 
 
 @given(problems())
@@ -89,8 +124,7 @@ def test_gqa_equals_repeated_kv(problem):
 @given(problems(token_only=True))
 def test_short_sequences_equal_causal_attention(problem):
     S = problem.q.shape[2]
-    problem.top_k = max(problem.top_k, -(-S // problem.chunk_size))
-    problem.document_ids = None
+    problem = problem.but(top_k=max(problem.top_k, -(-S // problem.chunk_size)), document_ids=None)
     got = moba_attention(problem.q, problem.k, problem.v, backend="sdpa", **problem.kwargs)
     expected = F.scaled_dot_product_attention(problem.q, problem.k, problem.v, is_causal=True,
                                               enable_gqa=problem.q.shape[1] != problem.k.shape[1])
@@ -103,22 +137,14 @@ def test_differentiable_backends_have_reference_gradients(problem):
 
     def grads(fn, **kw):
         inputs = [t.clone().requires_grad_() for t in (problem.q, problem.k, problem.v)]
-        (fn(*inputs, **problem.kwargs, **kw) * grad_out).sum().backward()
+        (fn(*inputs, **problem.attention_kwargs, **kw) * grad_out).sum().backward()
         return [t.grad for t in inputs]
 
     expected = grads(moba_reference)
+    tol = 1e-5 * max(1.0, problem.scale or 0.0)  # gradients grow with the scale
     for backend in ("sdpa", "gather", "auto"):
         for got, want in zip(grads(moba_attention, backend=backend), expected):
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-
-
-def test_custom_scale_is_used():
-    q, k, v = (torch.randn(1, 2, 40, 8) for _ in range(3))
-    kw = dict(chunk_size=8, top_k=2)
-    expected = oracle.attention(q, k, v, scale=0.3, **kw)
-    torch.testing.assert_close(moba_attention(q, k, v, backend="sdpa", scale=0.3, **kw).double(), expected,
-                               atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(moba_reference(q, k, v, scale=0.3, **kw).double(), expected, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got, want, atol=tol, rtol=1e-5)
 
 
 def test_bfloat16_runs_and_stays_close_to_fp32():
@@ -143,14 +169,15 @@ def test_gather_unfused_path_equals_reference_with_gradients(problem):
         gather._fused_cpu = lambda q, fused=fused: fused and original(q)
         try:
             inputs = [t.clone().requires_grad_() for t in (problem.q, problem.k, problem.v)]
-            out = moba_attention(*inputs, backend="gather", **problem.kwargs)
+            out = moba_attention(*inputs, backend="gather", **problem.attention_kwargs)
             (out * grad_out).sum().backward()
             results.append([out] + [t.grad for t in inputs])
         finally:
             gather._fused_cpu = original
     inputs = [t.clone().requires_grad_() for t in (problem.q, problem.k, problem.v)]
-    ref = moba_reference(*inputs, **problem.kwargs)
+    ref = moba_reference(*inputs, **problem.attention_kwargs)
     (ref * grad_out).sum().backward()
+    tol = 1e-5 * max(1.0, problem.scale or 0.0)  # gradients grow with the scale
     for result in results:
         for got, want in zip(result, [ref] + [t.grad for t in inputs]):
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got, want, atol=tol, rtol=1e-5)

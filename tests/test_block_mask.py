@@ -2,13 +2,13 @@
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import flex_attention
 
 import oracle
 from flexmoba import compiled_flex_attention, moba_block_mask, moba_reference, moba_selection
-from strategies import FLEX_SHAPES, problems, random_inputs
+from strategies import EXAMPLES, FLEX_SHAPES, problems, random_inputs
 
 
 def element_states(block_mask, S):
@@ -34,6 +34,10 @@ def mask_mod_dense(block_mask, B, H, S):
     return block_mask.mask_mod(b, h, q, kv)
 
 
+@example(EXAMPLES["all_at_once"], 16, 8)
+@example(EXAMPLES["reused_ids"], 7, 5)
+@example(EXAMPLES["one_token_documents"], 4, 4)
+@example(EXAMPLES["gqa_choice"], 6, 12)
 @given(problems(max_seq_len=48), st.integers(1, 20), st.integers(1, 20))
 def test_mask_mod_and_tables_are_exact(problem, block_q, block_kv):
     B, H, S, _ = problem.q.shape

@@ -1,21 +1,31 @@
 """The gate: which chunks each query attends, against the brute-force oracle."""
 
+import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 
 import oracle
 from flexmoba import dense_moba_mask, moba_selection, select_chunks
-from strategies import problems
+from strategies import EXAMPLES, describe, more_examples, problems, with_examples
+
+
+def document_index(problem):
+    """[B, S] index of each position's document (its run of equal ids, via the oracle)."""
+    B, _, S, _ = problem.q.shape
+    out = torch.zeros(B, S, dtype=torch.long)
+    for b in range(B):
+        ids = None if problem.document_ids is None else problem.document_ids[b]
+        for i, (start, end) in enumerate(oracle.documents(ids, S)):
+            out[b, start:end] = i
+    return out
 
 
 def causal_same_document(problem):
     B, _, S, _ = problem.q.shape
     pos = torch.arange(S)
     causal = pos[None, :] <= pos[:, None]
-    if problem.document_ids is None:
-        return causal.expand(B, 1, S, S)
-    ids = problem.document_ids
-    return (causal & (ids[:, :, None] == ids[:, None, :]))[:, None]
+    doc = document_index(problem)
+    return (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
 
 
 def local_chunk_of(problem):
@@ -29,6 +39,8 @@ def local_chunk_of(problem):
     return out
 
 
+@more_examples()
+@with_examples()
 @given(problems())
 def test_selection_equals_oracle(problem):
     got = dense_moba_mask(select_chunks(problem.q, problem.k, **problem.kwargs))
@@ -36,6 +48,8 @@ def test_selection_equals_oracle(problem):
     assert torch.equal(got, expected), problem
 
 
+@more_examples()
+@with_examples()
 @given(problems())
 def test_each_query_selects_own_chunk_plus_top_k_minus_one_past(problem):
     chunks = moba_selection(problem.q, problem.k, **problem.kwargs)
@@ -47,17 +61,21 @@ def test_each_query_selects_own_chunk_plus_top_k_minus_one_past(problem):
     assert not (chunks & future).any(), "a future chunk was selected"
 
 
+@more_examples()
+@with_examples()
 @given(problems())
 def test_short_sequences_are_full_causal(problem):
     S = problem.q.shape[2]
-    problem.top_k = max(problem.top_k, -(-S // problem.chunk_size))  # chunk_size * top_k >= S
+    problem = problem.but(top_k=max(problem.top_k, -(-S // problem.chunk_size)))  # chunk_size * top_k >= S
     mask = dense_moba_mask(select_chunks(problem.q, problem.k, **problem.kwargs))
     assert torch.equal(mask, causal_same_document(problem).expand_as(mask))
 
 
+@more_examples()
+@with_examples()
 @given(problems())
 def test_top_k_one_is_block_diagonal_causal(problem):
-    problem.top_k = 1
+    problem = problem.but(top_k=1)
     mask = dense_moba_mask(select_chunks(problem.q, problem.k, **problem.kwargs))
     chunk = local_chunk_of(problem)
     same_chunk = chunk[:, :, None] == chunk[:, None, :]
@@ -65,10 +83,12 @@ def test_top_k_one_is_block_diagonal_causal(problem):
     assert torch.equal(mask, expected.expand_as(mask))
 
 
+@more_examples()
+@with_examples()
 @given(problems())
 def test_tile_granularity_shares_one_selection_per_tile(problem):
     if problem.granularity == "token":
-        problem.granularity = problem.chunk_size
+        problem = problem.but(granularity=problem.chunk_size)
     g = problem.granularity
     chunks = moba_selection(problem.q, problem.k, **problem.kwargs)
     B, _, S, _ = problem.q.shape
@@ -80,6 +100,8 @@ def test_tile_granularity_shares_one_selection_per_tile(problem):
                 assert (tile == tile[:, :1]).all(), (problem, tile_start)
 
 
+@more_examples()
+@with_examples()
 @given(problems())
 def test_gqa_gates_against_the_shared_kv_head(problem):
     group = problem.q.shape[1] // problem.k.shape[1]
@@ -95,3 +117,122 @@ def test_selection_has_no_gradient_path():
     chunks = moba_selection(q, k, chunk_size=8, top_k=2)
     assert chunks.dtype == torch.bool and not chunks.requires_grad
     assert chunks.shape == (1, 2, 40, 5)
+
+
+# -- the strategies really put the gate to a choice ---------------------------------------
+
+
+def test_strategies_put_the_gate_to_a_choice():
+    """Most drawn problems make some query choose; GQA, tiles and reused ids choose too."""
+    seen = []
+
+    @settings(max_examples=200, derandomize=True, database=None)
+    @given(problems())
+    def draw(problem):
+        seen.append(describe(problem))
+
+    draw()
+    n = len(seen)
+
+    def share(predicate):
+        return sum(map(predicate, seen)) / n
+
+    assert share(lambda f: f.chooses) >= 0.6
+    assert share(lambda f: f.chooses and f.gqa) >= 0.15
+    assert share(lambda f: f.chooses and f.tiles) >= 0.15
+    assert share(lambda f: f.chooses and f.reused_ids) >= 0.15
+    assert share(lambda f: f.one_token_document) >= 0.1
+    assert share(lambda f: f.n_documents >= 3) >= 0.3
+    for name, problem in EXAMPLES.items():
+        assert describe(problem).chooses, name
+    assert describe(EXAMPLES["gqa_choice"]).gqa and describe(EXAMPLES["tiles_choice"]).tiles
+    assert describe(EXAMPLES["reused_ids"]).reused_ids and describe(EXAMPLES["one_token_documents"]).one_token_document
+    assert all(vars(describe(EXAMPLES["all_at_once"])).values())
+
+
+@more_examples()
+@with_examples("tiles_choice", "all_at_once")
+@given(problems(tiles=True))
+def test_tile_granularity_equals_oracle(problem):
+    got = dense_moba_mask(select_chunks(problem.q, problem.k, **problem.kwargs))
+    assert torch.equal(got, oracle.dense_mask(problem.q, problem.k, **problem.kwargs)), problem
+
+
+# -- documents are runs of equal ids -------------------------------------------------------
+
+
+def test_a_reused_id_starts_a_new_document():
+    ids = torch.tensor([[7, 7, 3, 3, 7]])
+    q, k = torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4)
+    mask = dense_moba_mask(select_chunks(q, k, chunk_size=1, top_k=5, document_ids=ids))[0, 0]
+    expected = torch.tensor([[1, 0, 0, 0, 0],
+                             [1, 1, 0, 0, 0],
+                             [0, 0, 1, 0, 0],
+                             [0, 0, 1, 1, 0],
+                             [0, 0, 0, 0, 1]], dtype=torch.bool)
+    assert torch.equal(mask, expected)
+    chunks = moba_selection(q, k, chunk_size=1, top_k=5, document_ids=ids)[0, 0]
+    assert chunks.nonzero().tolist() == [[0, 0], [1, 0], [1, 1], [2, 0], [3, 0], [3, 1], [4, 0]]
+
+
+@more_examples()
+@with_examples("reused_ids", "one_token_documents", "all_at_once")
+@given(problems())
+def test_only_runs_matter_not_the_labels(problem):
+    """Relabelling every run with its own fresh id changes nothing."""
+    if problem.document_ids is None:
+        return
+    ids = problem.document_ids
+    fresh = torch.cumsum(torch.cat([torch.ones_like(ids[:, :1]), (ids[:, 1:] != ids[:, :-1]).long()], 1), 1) * 10
+    relabelled = dict(problem.kwargs, document_ids=fresh)
+    assert torch.equal(moba_selection(problem.q, problem.k, **problem.kwargs),
+                       moba_selection(problem.q, problem.k, **relabelled))
+
+
+# -- low precision: chunk means rounded through the key dtype, as the official gate does ---
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_gate_rounds_chunk_means_through_the_key_dtype(dtype):
+    """Two past chunks whose order flips when their means are rounded to k's dtype.
+
+    With ``eps`` the dtype's spacing at 1 and the query ``(1, 0.875)``: chunk A's exact mean
+    ``(1 + 0.6 eps, 1)`` rounds to ``(1 + eps, 1)``, chunk B's ``(1, 1 + 0.8 eps)`` to
+    ``(1, 1 + eps)``. Exact scores put B first (0.7 eps > 0.6 eps), rounded ones A (eps > 0.875 eps).
+    The official gate rounds, so the query must pick A.
+    """
+    eps, c = torch.finfo(dtype).eps, 5
+    k = torch.zeros(1, 1, 3 * c, 4)
+    k[0, 0, :2 * c, :2] = 1.0
+    k[0, 0, :3, 0] += eps  # chunk A (positions 0..4): 3 of 5 keys nudged in dim 0
+    k[0, 0, c:c + 4, 1] += eps  # chunk B (positions 5..9): 4 of 5 keys nudged in dim 1
+    k[0, 0, 2 * c:] = torch.randn(c, 4)  # own chunk, never scored
+    q = torch.zeros(1, 1, 3 * c, 4)
+    q[..., 0], q[..., 1] = 1.0, 0.875
+    q, k = q.to(dtype), k.to(dtype)
+    kw = dict(chunk_size=c, top_k=2)
+    official = oracle.dense_mask(q, k, **kw)
+    exact = oracle.dense_mask(q, k, **kw, round_means=False)
+    last = slice(2 * c, 3 * c)
+    assert official[0, 0, last, :c].all() and not official[0, 0, last, c:2 * c].any(), "the input picks A"
+    assert exact[0, 0, last, c:2 * c].all(), "unrounded means would pick B"
+    assert torch.equal(dense_moba_mask(select_chunks(q, k, **kw)), official)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@with_examples("gqa_choice", "tiles_choice", "all_at_once")
+@given(problems(choose=True))
+def test_low_precision_gate_takes_a_top_k_of_the_official_scores(dtype, problem):
+    """In bf16/fp16 exact ties are common, so any top-k of the oracle's scores is accepted."""
+    problem = problem.to(dtype)
+    chunks = moba_selection(problem.q, problem.k, **problem.kwargs)
+    for (b, h, t), (_, own, scores) in oracle.past_scores(problem.q, problem.k, problem.chunk_size,
+                                                          problem.granularity, problem.document_ids).items():
+        row = chunks[b, h, t]
+        assert row[own] and not row[own + 1:].any(), (problem, b, h, t)
+        picked = [scores[j] for j in range(own) if row[j]]
+        left = [scores[j] for j in range(own) if not row[j]]
+        assert len(picked) == min(problem.top_k - 1, own), (problem, b, h, t)
+        if picked and left:
+            slack = 1e-6 * max(1.0, abs(max(left)))
+            assert min(picked) >= max(left) - slack, (problem, b, h, t, picked, left)
