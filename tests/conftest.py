@@ -16,11 +16,10 @@ settings.register_profile(
 settings.register_profile("dev", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-from conformance_cases import CONFORMANCE_DIR
+from conformance_cases import require_vectors
 
 
 @pytest.fixture(scope="session")
 def conformance_dir() -> Path:
-    if not CONFORMANCE_DIR.is_dir():
-        pytest.skip(f"official MoBA conformance vectors not found at {CONFORMANCE_DIR}")
-    return CONFORMANCE_DIR
+    """The vectors' folder: skips without them, fails instead under ``FLEXMOBA_REQUIRE_CONFORMANCE=1`` (CI)."""
+    return require_vectors()

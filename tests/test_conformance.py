@@ -1,17 +1,45 @@
-"""Agreement with the official MoBA implementation (moba_attn_varlen_naive) on its vectors."""
+"""Agreement with the official MoBA implementation (moba_attn_varlen_naive) on its vectors.
+
+Tolerances are what an exact re-implementation achieves in fp32 (measured: outputs within
+1e-6, gradients within 7e-6 of the official ones), with some room.
+"""
+
+from pathlib import Path
 
 import pytest
 import torch
 
-from conformance_cases import load_cases
+import conformance_cases
+from conformance_cases import FILES, N_CASES, REQUIRE_ENV, load_cases, missing_files, require_vectors, required
 from flexmoba import moba_attention_varlen
 
 CASES = load_cases()
 CASE_IDS = [case["name"] for case in CASES]
+OUT_TOL, GRAD_TOL = 1e-5, 2e-5
 
 
-def test_all_vectors_are_present(conformance_dir):
-    assert len(CASES) == 44, f"expected 44 official cases in {conformance_dir}, found {len(CASES)}"
+def test_all_vectors_are_present():
+    """Not behind the fixture's skip: a partial set fails anywhere; no set fails in CI."""
+    if len(missing_files()) == len(FILES) and not required():
+        pytest.skip(f"no conformance vectors in {conformance_cases.CONFORMANCE_DIR} (CI sets {REQUIRE_ENV}=1)")
+    assert not missing_files(), f"missing {missing_files()} in {conformance_cases.CONFORMANCE_DIR}"
+    assert len(CASES) == N_CASES, f"expected {N_CASES} official cases, found {len(CASES)}"
+    assert len(set(CASE_IDS)) == N_CASES, "case names must be unique"
+
+
+def test_missing_vectors_skip_locally_and_fail_when_required(monkeypatch, tmp_path):
+    monkeypatch.setattr(conformance_cases, "CONFORMANCE_DIR", tmp_path / "absent")
+    monkeypatch.delenv(REQUIRE_ENV, raising=False)
+    with pytest.raises(pytest.skip.Exception):
+        require_vectors()
+    monkeypatch.setenv(REQUIRE_ENV, "1")
+    with pytest.raises(pytest.fail.Exception, match=REQUIRE_ENV):
+        require_vectors()
+
+
+def test_ci_requires_the_vectors():
+    script = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
+    assert f"export {REQUIRE_ENV}=1" in script
 
 
 def run(case, backend, *inputs):
@@ -21,18 +49,18 @@ def run(case, backend, *inputs):
 
 @pytest.mark.parametrize("backend", ["sdpa", "gather"])
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_differentiable_backends_match_official_forward_and_gradients(case, backend):
+def test_differentiable_backends_match_official_forward_and_gradients(case, backend, conformance_dir):
     q, k, v = (case[name].clone().requires_grad_() for name in "qkv")
     out = run(case, backend, q, k, v)
-    torch.testing.assert_close(out, case["out"], atol=1e-4, rtol=0)
+    torch.testing.assert_close(out, case["out"], atol=OUT_TOL, rtol=0)
     (out * case["grad_out"]).sum().backward()
     for name, tensor in zip("qkv", (q, k, v)):
-        torch.testing.assert_close(tensor.grad, case["d" + name], atol=1e-4, rtol=0, msg=f"d{name}")
+        torch.testing.assert_close(tensor.grad, case["d" + name], atol=GRAD_TOL, rtol=0, msg=f"d{name}")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_flex_forward_matches_official(case):
+def test_flex_forward_matches_official(case, conformance_dir):
     with torch.no_grad():
         out = run(case, "flex", case["q"], case["k"], case["v"])
-    torch.testing.assert_close(out, case["out"], atol=1e-4, rtol=0)
+    torch.testing.assert_close(out, case["out"], atol=OUT_TOL, rtol=0)
