@@ -1,6 +1,7 @@
 """The ``flexmoba`` CLI end to end, in subprocesses (Lightning DDP re-launches its own command)."""
 
 import csv
+import math
 import sys
 from pathlib import Path
 
@@ -51,7 +52,8 @@ def test_fit_then_validate_from_checkpoint(config, tmp_path, corpus_cache, flexm
     flexmoba("validate", *tiny_args(config, tmp_path, corpus_cache), "--ckpt_path", "last", cwd=tmp_path)
     metrics = eval_metrics(tmp_path, "val/")
     assert {"val/loss", "val/ppl", "val/loss_trailing", "val/loss_pos_000000_000032"} <= set(metrics)
-    assert 0 < metrics["val/loss"] < 6
+    # Uniform guessing (an untrained model) costs ln 256 = 5.55; these 6 steps reach about 5.04.
+    assert 0 < metrics["val/loss"] < math.log(256) - 0.3
     if config == "hybrid_phase.yaml":
         moba_layers = [float(r["train/moba_layers"]) for r in rows if r.get("train/moba_layers")]
         assert moba_layers[0] == 2 and moba_layers[-1] == 0

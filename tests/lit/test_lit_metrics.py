@@ -71,3 +71,50 @@ def test_shards_sum_to_the_whole():
 def test_shape_mismatch_is_an_error():
     with pytest.raises(ValueError, match="token_loss"):
         WindowedLoss(position_windows(4, 2)).update(torch.ones(2, 4), torch.ones(2, 3, dtype=torch.long))
+
+
+def test_ignored_targets_inside_a_counted_window_are_skipped():
+    # Interior ignored targets (as in retrieval data, where only answers are scored): the
+    # sequence still reaches the window's end, so it counts, but only its real targets do.
+    loss = torch.tensor([
+        [1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+        [10.0, 20.0, 30.0, 40.0, 50.0, 60.0],
+    ])
+    targets = torch.tensor([
+        [1, X, 1, X, X, 1],
+        [X, X, 1, 1, 1, X],
+    ])
+    metric = WindowedLoss(position_windows(6, 3))
+    metric.update(loss, targets)
+    expected = torch.tensor([
+        (1 + 3 + 30) / 3,  # [0, 3): both reach position 2; 2.0, 10.0 and 20.0 are ignored
+        6 / 1,             # [3, 6): only sequence 0 reaches position 5, and only its 6.0 is real
+    ], dtype=torch.float64)
+    torch.testing.assert_close(metric.compute(), expected)
+    torch.testing.assert_close(metric.token_count, torch.tensor([3.0, 1.0], dtype=torch.float64))
+
+
+def test_random_masks_match_a_loop_over_sequences():
+    """Any pattern of ignored targets, against the rule spelled out one sequence at a time."""
+    gen = torch.Generator().manual_seed(0)
+    loss = torch.rand(16, 20, generator=gen)
+    targets = torch.randint(0, 5, (16, 20), generator=gen)
+    targets[torch.rand(16, 20, generator=gen) < 0.3] = X
+    targets[3:6, 12:] = X
+    targets[7] = X
+    windows = position_windows(20, 6) + trailing_window(20, 5)
+    metric = WindowedLoss(windows)
+    metric.update(loss[:9], targets[:9])
+    metric.update(loss[9:], targets[9:])
+    expected = []
+    for start, end in windows:
+        total, count = 0.0, 0
+        for row_loss, row_targets in zip(loss.tolist(), targets.tolist()):
+            real = [t for t, target in enumerate(row_targets) if target != X]
+            if not real or real[-1] < end - 1:
+                continue  # the sequence does not reach this window's end
+            for t in range(start, end):
+                if row_targets[t] != X:
+                    total, count = total + row_loss[t], count + 1
+        expected.append(total / count)
+    torch.testing.assert_close(metric.compute(), torch.tensor(expected, dtype=torch.float64))
