@@ -3,26 +3,33 @@
 Tensors are ``[B, H, S, D]``; keys and values may have fewer heads (``H % H_kv == 0``).
 """
 
-from flexmoba.attention import compiled_flex_attention, moba_attention
+from flexmoba.attention import moba_attention
+from flexmoba.backends import backend_names, register_backend
+from flexmoba.compiled_flex import compiled_flex_attention
 from flexmoba.block_mask import moba_block_mask, selection_block_mask
 from flexmoba.decode import MoBAKVCache, moba_decode_attention
+from flexmoba.flex_plan import MoBAFlexPlan, moba_flex_plan
 from flexmoba.masks import dense_moba_mask, moba_mask_mod
 from flexmoba.reference import moba_reference
 from flexmoba.selection import Selection, moba_selection, select_chunks
 from flexmoba.varlen import moba_attention_varlen
 
 __all__ = [
+    "MoBAFlexPlan",
     "MoBAKVCache",
     "Selection",
+    "backend_names",
     "compiled_flex_attention",
     "dense_moba_mask",
     "moba_attention",
     "moba_attention_varlen",
     "moba_block_mask",
     "moba_decode_attention",
+    "moba_flex_plan",
     "moba_mask_mod",
     "moba_reference",
     "moba_selection",
+    "register_backend",
     "select_chunks",
     "selection_block_mask",
 ]

@@ -10,7 +10,7 @@ import numbers
 
 import torch
 
-BACKENDS = ("auto", "flex", "sdpa", "gather")
+from flexmoba import backends
 
 
 def check_positive_int(value, name: str) -> int:
@@ -37,9 +37,8 @@ def check_granularity(granularity, chunk_size: int) -> str | int:
 
 
 def check_backend(backend) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return backend
+    """``"auto"`` or a registered backend name."""
+    return backends.check_backend(backend)
 
 
 def check_scale(scale) -> float | None:

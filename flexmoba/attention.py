@@ -1,77 +1,104 @@
-"""MoBA attention with a choice of backend.
+"""MoBA attention: validate, gate once, dispatch to a backend of the table.
 
-- ``"flex"``: the selection as a sparse ``BlockMask`` fed to ``flex_attention``, compiled
-  once per process. Trains on CUDA; on CPU it is inference only (no CPU backward).
-- ``"sdpa"``: the same mask made dense ``[B, H, S, S]`` and fed to
-  ``F.scaled_dot_product_attention``: differentiable on every device, O(S^2) memory.
+Built-in backends (all exact; see :mod:`flexmoba.backends` for the signature):
+
+- ``"flex"``: FlexAttention, block-sparse. Token granularity runs the regrouped plan
+  (:mod:`flexmoba.flex_plan`: one virtual row per (query, selected chunk), merged by
+  log-sum-exp); tile granularity runs the union ``BlockMask``, which is exactly sparse
+  there. Trains on CUDA; on CPU it is inference only (FlexAttention has no CPU backward).
+- ``"flex_union"``: the union ``BlockMask`` over the original query order, any
+  granularity. Exact, but at token granularity a tile's union of selections is nearly
+  dense, so it costs about as much as full attention.
 - ``"gather"``: queries regrouped per selected chunk, dense attention per group, partial
-  results merged by log-sum-exp (:mod:`flexmoba.gather`): exact, differentiable on every
-  device, work and memory O(S · top_k · chunk_size).
-- ``"auto"``: flex on CUDA; on CPU, gather once the sequence is long enough for sparsity to
-  pay (``S > 2 · chunk_size · top_k``), else sdpa for training and flex for inference.
+  results merged by log-sum-exp (:mod:`flexmoba.gather`): differentiable on every device,
+  fused on CPU, work and memory O(S * top_k * chunk_size).
+- ``"sdpa"``: the mask made dense ``[B, H, S, S]`` for SDPA: differentiable everywhere,
+  O(S^2) memory; the fastest for short sequences.
+- ``"auto"``: flex on CUDA; on CPU the fastest exact backend for the call, by the
+  crossovers measured in ``benchmarks/results/attention_cpu.md`` (see :func:`resolve_backend`).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from flexmoba import _checks
+from flexmoba.backends import AUTO, get_backend, register_backend
 from flexmoba.block_mask import selection_block_mask
+from flexmoba.compiled_flex import compiled_flex_attention
+from flexmoba.flex_plan import plan_from_selection
 from flexmoba.gather import gather_moba_attention
 from flexmoba.masks import dense_moba_mask
-from flexmoba.selection import _check_selection_args, select_chunks
+from flexmoba.selection import Selection, _check_selection_args, select_chunks
 
-_compiled_flex = None
-# Each new shape compiles a new flex kernel; dynamo's default limit of 8 per function
-# would otherwise drop to the unfused eager path after a few shapes.
-FLEX_RECOMPILE_LIMIT = 64
-
-
-def compiled_flex_attention():
-    """The process-wide compiled ``flex_attention`` (compiled lazily, once).
-
-    ``dynamic=False``: one kernel per shape. A dynamic kernel breaks on CPU once a second
-    shape appears (torch 2.13), and training shapes are fixed anyway.
-    """
-    global _compiled_flex
-    if _compiled_flex is None:
-        config = torch._dynamo.config
-        config.recompile_limit = max(config.recompile_limit, FLEX_RECOMPILE_LIMIT)
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex
+# CPU crossovers (2-core x86, fp32, chunk 512 / top-3 and 128 / 3; benchmarks.attention):
+# below these lengths the dense-mask SDPA call beats the sparse paths.
+CPU_GATHER_MIN_FACTOR = 2  # gather once S > factor * chunk_size * top_k (with gradients)
+CPU_FLEX_MIN_SEQ = 4096  # compiled regrouped flex for inference from this length
 
 
 def needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def resolve_backend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    chunk_size: int = 1, top_k: int = 1) -> str:
-    """Pick the concrete backend; refuse flex where it cannot run."""
-    backend = _checks.check_backend(backend)
-    cpu_grad = q.device.type == "cpu" and needs_grad(q, k, v)
-    if backend == "auto":
-        if q.device.type != "cpu":
-            return "flex"
-        if q.shape[2] > 2 * chunk_size * top_k:
-            return "gather"
-        return "sdpa" if cpu_grad else "flex"
-    if backend == "flex" and cpu_grad:
+def _refuse_cpu_grad(q, k, v) -> None:
+    if q.device.type == "cpu" and needs_grad(q, k, v):
         raise ValueError(
             "backend='flex' cannot compute gradients on CPU (FlexAttention has no CPU backward); "
-            "use backend='sdpa' or 'auto', or call under torch.no_grad()"
+            "use backend='gather' or 'auto', or call under torch.no_grad()"
         )
-    return backend
 
 
-def flex_moba_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, scale: float | None = None
-) -> torch.Tensor:
-    """Compiled flex attention of ``q: [B, H, S, D]`` over ``k, v: [B, H_kv, S, D]``."""
-    flex = compiled_flex_attention()
-    return flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+def flex_union_backend(q, k, v, selection: Selection, scale: float) -> torch.Tensor:
+    """Compiled flex over the union ``BlockMask`` in the original query order."""
+    _refuse_cpu_grad(q, k, v)
+    block_mask = selection_block_mask(selection, compute_q_blocks=needs_grad(q, k, v))
+    return compiled_flex_attention()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def flex_backend(q, k, v, selection: Selection, scale: float) -> torch.Tensor:
+    """Regrouped flex for token granularity, the (exactly sparse) union mask for tiles."""
+    if selection.granularity != "token":
+        return flex_union_backend(q, k, v, selection, scale)
+    _refuse_cpu_grad(q, k, v)
+    plan = plan_from_selection(selection, k.shape[1], sink=q.device.type == "cpu",
+                               compute_q_blocks=needs_grad(q, k, v))
+    return plan.attention(q, k, v, scale=scale)
+
+
+def sdpa_backend(q, k, v, selection: Selection, scale: float) -> torch.Tensor:
+    mask = dense_moba_mask(selection)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def gather_backend(q, k, v, selection: Selection, scale: float) -> torch.Tensor:
+    return gather_moba_attention(q, k, v, selection, scale)
+
+
+register_backend("flex", flex_backend)
+register_backend("flex_union", flex_union_backend)
+register_backend("gather", gather_backend)
+register_backend("sdpa", sdpa_backend)
+
+
+def resolve_backend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    chunk_size: int = 1, top_k: int = 1, granularity="token") -> str:
+    """The backend ``backend`` names, with ``"auto"`` resolved for this call.
+
+    ``auto``: ``flex`` off CPU. On CPU: with gradients, ``gather`` once the sequence is
+    long enough for sparsity to pay, else ``sdpa``; without, ``flex`` from
+    ``CPU_FLEX_MIN_SEQ`` (compiled once per shape), then ``gather``, then ``sdpa``.
+    """
+    backend = _checks.check_backend(backend)
+    if backend != AUTO:
+        return backend
+    if q.device.type != "cpu":
+        return "flex"
+    S = q.shape[2]
+    if not needs_grad(q, k, v) and S >= CPU_FLEX_MIN_SEQ:
+        return "flex"
+    return "gather" if S > CPU_GATHER_MIN_FACTOR * chunk_size * top_k else "sdpa"
 
 
 def moba_attention(
@@ -93,24 +120,20 @@ def moba_attention(
         chunk_size: tokens per chunk; chunks restart at each document start.
         top_k: chunks per query, counting its own chunk.
         granularity: ``"token"`` (the paper) or an int tile size dividing ``chunk_size``.
-        backend: ``"auto"``, ``"flex"``, ``"sdpa"`` or ``"gather"``.
+        backend: ``"auto"`` or a registered backend (``"flex"``, ``"flex_union"``,
+            ``"gather"``, ``"sdpa"``, or one added with :func:`flexmoba.register_backend`).
         scale: softmax scale, default ``D ** -0.5``.
         document_ids: optional ``[B, S]`` ints; nothing attends across documents.
 
     Returns:
-        ``[B, H, S, D]`` in q's dtype.
+        ``[B, H, S, Dv]`` in q's dtype.
     """
     chunk_size, top_k, granularity = _check_selection_args(q, k, chunk_size, top_k, granularity, document_ids)
     _checks.check_qkv(q, k, v)
     scale = _checks.check_scale(scale)
-    backend = resolve_backend(backend, q, k, v, chunk_size, top_k)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    backend = resolve_backend(backend, q, k, v, chunk_size, top_k, granularity)
     selection = select_chunks(
         q, k, chunk_size=chunk_size, top_k=top_k, granularity=granularity, document_ids=document_ids
     )
-    if backend == "flex":
-        block_mask = selection_block_mask(selection, compute_q_blocks=needs_grad(q, k, v))
-        return flex_moba_attention(q, k, v, block_mask, scale)
-    if backend == "gather":
-        return gather_moba_attention(q, k, v, selection, scale)
-    mask = dense_moba_mask(selection)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return get_backend(backend)(q, k, v, selection, scale)

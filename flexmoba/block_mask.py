@@ -45,11 +45,15 @@ def key_intervals(selection: Selection) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([past_start, own_start], -1), torch.cat([past_end, own_end], -1)
 
 
-def attended_pairs(starts: torch.Tensor, ends: torch.Tensor, block_size: tuple[int, int]) -> torch.Tensor:
-    """``[B, H, S, K]`` disjoint-per-query intervals -> ``[B, H, S/Bq, S/Bk]`` int64 pair counts."""
+def attended_pairs(starts: torch.Tensor, ends: torch.Tensor, block_size: tuple[int, int],
+                   kv_len: int | None = None) -> torch.Tensor:
+    """``[B, H, Sq, K]`` disjoint-per-query intervals -> ``[B, H, Sq/Bq, kv_len/Bk]`` int64 pair counts.
+
+    ``kv_len`` defaults to ``Sq`` (queries and keys are the same positions).
+    """
     Bq, Bk = block_size
     B, H, S, K = starts.shape
-    n_tiles, n_blocks = -(-S // Bq), -(-S // Bk)
+    n_tiles, n_blocks = -(-S // Bq), -(-(S if kv_len is None else kv_len) // Bk)
     width = n_blocks + 1  # one spare column for the difference array
     device = starts.device
 
@@ -87,17 +91,22 @@ def _ordered_table(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return count, indices
 
 
-def block_tables(selection: Selection, block_size: tuple[int, int]):
-    """``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)`` for the selection."""
+def interval_block_tables(starts: torch.Tensor, ends: torch.Tensor, block_size: tuple[int, int], kv_len: int):
+    """``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)`` of queries that
+    attend the disjoint key intervals ``[starts, ends)``, each ``[B, H, Sq, K]``."""
     Bq, Bk = block_size
-    S = selection.chunks.shape[2]
-    pairs = attended_pairs(*key_intervals(selection), block_size)
-    positions = torch.arange(S, device=pairs.device)
-    tile_len = torch.bincount(positions // Bq)
-    block_len = torch.bincount(positions // Bk)
+    pairs = attended_pairs(starts, ends, block_size, kv_len)
+    tile_len = torch.bincount(torch.arange(starts.shape[2], device=pairs.device) // Bq)
+    block_len = torch.bincount(torch.arange(kv_len, device=pairs.device) // Bk)
     full = pairs == tile_len[:, None] * block_len[None, :]
     partial = (pairs > 0) & ~full
     return (*_ordered_table(partial), *_ordered_table(full))
+
+
+def block_tables(selection: Selection, block_size: tuple[int, int]):
+    """``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)`` for the selection."""
+    S = selection.chunks.shape[2]
+    return interval_block_tables(*key_intervals(selection), block_size, S)
 
 
 def selection_block_mask(

@@ -38,12 +38,14 @@ class Selection:
             ``P = min(top_k - 1, n_chunks - 1)``; entries with ``past_valid`` False are unused.
         past_valid: ``[B, H, S, P]`` bool.
         layout: the chunk layout the indices refer to.
+        granularity: ``"token"`` or the tile size whose queries share one selection.
     """
 
     chunks: torch.Tensor
     past_chunks: torch.Tensor
     past_valid: torch.Tensor
     layout: ChunkLayout
+    granularity: str | int = "token"
 
 
 def chunk_means(k: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
@@ -163,7 +165,7 @@ def select_chunks(
         chunks = torch.zeros(B, H, S, layout.n_chunks, dtype=torch.bool, device=q.device)
         chunks.scatter_(-1, past_chunks, past_valid)
         chunks.scatter_(-1, layout.local_chunk[:, None, :, None].expand(B, H, S, 1), True)
-    return Selection(chunks, past_chunks, past_valid, layout)
+    return Selection(chunks, past_chunks, past_valid, layout, granularity)
 
 
 def moba_selection(

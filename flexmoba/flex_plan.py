@@ -1,0 +1,341 @@
+"""Exact, block-sparse MoBA through FlexAttention: queries regrouped by the keys they read.
+
+A union BlockMask over the original query order is dense in practice: the queries of one
+tile select different chunks, so the tile visits the union of their selections. Here every
+(query, selected chunk) pair becomes one row of a *virtual query sequence*, one per KV head:
+
+    [ own rows:  each of the group's query heads, its S queries in order, padded to a block ]
+    [ past rows: (query, past chunk) pairs sorted by chunk, each chunk's pairs padded to
+                 whole blocks, then unused blocks up to a static length                   ]
+
+Every virtual row attends one contiguous key interval: its own chunk up to itself, or one
+whole past chunk. A block of past rows therefore reads exactly one chunk's key blocks
+(all "full" when chunks align with key blocks) and own blocks are block-diagonal causal,
+so the kernel's work follows the real selection. Flex returns each row's output and
+log-sum-exp; a query's rows are merged by log-sum-exp into its exact MoBA output.
+
+The query heads of a KV group share one virtual sequence (GQA without repeating K/V), so
+a chunk's keys are read once for all of the group's pairs that selected it, and the
+padding per chunk is paid once per group instead of once per head.
+
+The virtual length depends only on (B, H, H_kv, S, chunk_size, top_k, block size), never on
+the selection, so one compiled kernel serves every step of a run.
+
+Log-sum-exp on CPU. Compiled CPU flex cannot return it (torch 2.11-2.14), so the plan
+appends a *sink* key at index S, scored by the ``score_mod`` at a per-row constant ``c``,
+whose value is a one-hot extra column of V. The output's extra column is then
+``p = exp(c - LSE')`` (``LSE'`` over the real keys and the sink), so
+
+    LSE = c + log(1 - p) - log(p),        out = out' / (1 - p).
+
+``c`` keeps ``p`` well inside (0, 1): the diagonal score for own rows (then ``p <= 1/2``)
+and ``q . mean(k_chunk) * scale`` for past rows (by Jensen ``p <= 1 / (C + 1)``). Where
+extreme logits underflow ``p`` the row's LSE is recomputed directly (rare; on CPU no
+device sync is involved).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask
+
+from flexmoba.block_mask import DEFAULT_BLOCK_SIZE, interval_block_tables
+from flexmoba.compiled_flex import compiled_flex_attention
+from flexmoba.gather import selected_pairs
+from flexmoba.selection import Selection, _check_selection_args, select_chunks
+
+# Below this the sink's p carries too few significant bits to give LSE to fp32 precision.
+SINK_MIN_P = 1e-30
+
+
+@dataclass(frozen=True)
+class MoBAFlexPlan:
+    """Virtual query rows for one selection, and the ``BlockMask`` flex runs them with.
+
+    Attributes:
+        block_mask: ``BlockMask`` over virtual rows ``[B, H_kv, L]`` x keys ``[S]`` (``S + 1``
+            with the sink key).
+        key_start, key_end: ``[B, H_kv, L]`` the key interval ``[start, end)`` of each virtual
+            row; empty for padding rows.
+        source: ``[B, H_kv, L]`` which query feeds each virtual row, as ``head_in_group * S + t``.
+        rows: ``[B, H, S, K]`` virtual row of each (query, slot); slot 0 is the own chunk.
+        valid: ``[B, H, S, K]`` whether the slot is used.
+        sink: whether the plan carries the sink key (log-sum-exp on CPU).
+        own_len: virtual rows ``[0, own_len)`` are own rows, the rest past rows.
+        selection: the gate's selection the plan was built from.
+    """
+
+    block_mask: BlockMask
+    key_start: torch.Tensor
+    key_end: torch.Tensor
+    source: torch.Tensor
+    rows: torch.Tensor
+    valid: torch.Tensor
+    sink: bool
+    own_len: int
+    selection: Selection
+
+    @property
+    def virtual_len(self) -> int:
+        return self.source.shape[-1]
+
+    def visited_area(self) -> int:
+        """(query, key) pairs in the key blocks the kernel visits, the sink key's block excluded."""
+        Bq, Bk = self.block_mask.BLOCK_SIZE
+        bm = self.block_mask
+        sink_block = self.selection.chunks.shape[2] // Bk if self.sink else -1
+        blocks = 0
+        for num, idx in ((bm.kv_num_blocks, bm.kv_indices), (bm.full_kv_num_blocks, bm.full_kv_indices)):
+            listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
+            blocks += int((listed & (idx != sink_block)).sum())
+        return blocks * Bq * Bk
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                  flex: Callable | None = None) -> torch.Tensor:
+        """MoBA of ``q: [B, H, S, D]`` over ``k, v: [B, H_kv, S, D]`` -> ``[B, H, S, Dv]``.
+
+        ``flex`` defaults to the process-wide compiled ``flex_attention``; any callable with
+        its signature works (e.g. eager ``flex_attention``). Without the sink, ``flex`` must
+        return the log-sum-exp (``return_aux``).
+        """
+        flex = compiled_flex_attention() if flex is None else flex
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        virtual_q = self.gather_queries(q)
+        if self.sink:
+            out, lse = _flex_with_sink(flex, self, virtual_q, q, k, v, scale)
+        else:
+            out, aux = flex(virtual_q, k, v, block_mask=self.block_mask, scale=scale, return_aux=AuxRequest(lse=True))
+            lse = aux.lse
+        return self.merge(out, lse.float())
+
+    def gather_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """``[B, H, S, D]`` -> ``[B, H_kv, L, D]``: the query feeding each virtual row."""
+        B, H, S, D = q.shape
+        H_kv = self.source.shape[1]
+        grouped = q.reshape(B, H_kv, (H // H_kv) * S, D)
+        return grouped.gather(2, self.source[..., None].expand(-1, -1, -1, D))
+
+    def merge(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """Virtual ``out: [B, H_kv, L, Dv]``, ``lse: [B, H_kv, L]`` -> ``[B, H, S, Dv]`` by log-sum-exp."""
+        B, H, S, K = self.rows.shape
+        H_kv, Dv = out.shape[1], out.shape[-1]
+        index = self.rows.reshape(B, H_kv, -1)
+        slot_lse = lse.gather(2, index).view(B, H, S, K).masked_fill(~self.valid, float("-inf"))
+        slot_out = out.gather(2, index[..., None].expand(-1, -1, -1, Dv)).view(B, H, S, K, Dv)
+        total = torch.logsumexp(slot_lse, dim=-1, keepdim=True)
+        weights = torch.exp(slot_lse - total).to(out.dtype)
+        return (weights[..., None] * slot_out).sum(3)
+
+
+def virtual_lengths(heads_per_kv: int, seq_len: int, chunk_size: int, top_k: int, block_q: int) -> tuple[int, int]:
+    """Static ``(own rows, past rows)`` of the virtual sequence: bounds over every selection.
+
+    A query at offset t of its document has at most ``min(top_k - 1, t // chunk_size)``
+    past chunks, and ``t`` is at most its position, so the no-document count bounds every
+    document split. Past chunks are whole chunks with a later chunk after them, so at most
+    ``(S - 1) // chunk_size`` distinct chunks are read, each padding its group by less than
+    a block.
+    """
+    own = heads_per_kv * -(-seq_len // block_q) * block_q
+    past_per_query = top_k - 1
+    pairs = sum(min(past_per_query, j) * min(chunk_size, seq_len - j * chunk_size)
+                for j in range(-(-seq_len // chunk_size)))
+    groups = min((seq_len - 1) // chunk_size, heads_per_kv * pairs)
+    past_blocks = (heads_per_kv * pairs + groups * (block_q - 1)) // block_q
+    return own, past_blocks * block_q
+
+
+def _exclusive_cumsum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return torch.cumsum(x, dim) - x
+
+
+def _own_rows(selection: Selection, H_kv: int, own_len: int):
+    """Intervals and sources of the own rows, and the own slot's virtual row ``[B, H, S]``."""
+    layout = selection.layout
+    B, H, S, _ = selection.chunks.shape
+    G = H // H_kv
+    padded = own_len // G
+    positions = torch.arange(padded, device=layout.doc_start.device)
+    real = positions < S
+    t = positions.clamp(max=S - 1)
+    start = torch.where(real, layout.chunk_start[:, t], 0)  # [B, padded]
+    end = torch.where(real, positions + 1, 0).expand(B, padded)
+    head = torch.arange(G, device=positions.device)[:, None]
+    source = (head * S + t).reshape(1, 1, G * padded).expand(B, H_kv, -1)
+    own_row = (head * padded + positions[:S]).expand(B, H_kv, G, S).reshape(B, H, S)
+    expand = lambda x: x[:, None, None, :].expand(B, H_kv, G, padded).reshape(B, H_kv, own_len)  # noqa: E731
+    return expand(start), expand(end), source, own_row
+
+
+def _past_rows(selection: Selection, H_kv: int, own_len: int, past_len: int, block_q: int):
+    """Intervals and sources of the past rows, and each past slot's virtual row ``[B, H, S, P]``."""
+    layout = selection.layout
+    B, H, S, P = selection.past_chunks.shape
+    G, c = H // H_kv, layout.chunk_size
+    device = selection.past_chunks.device
+
+    chunk_start = layout.doc_start[:, None, :, None] + selection.past_chunks * c  # [B, H, S, P]
+    key = torch.where(selection.past_valid, chunk_start, S).reshape(B * H_kv, G * S * P)
+    counts = torch.zeros(B * H_kv, S + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(1, key, torch.ones_like(key))
+    counts = counts[:, :S]
+    blocks = (counts + block_q - 1) // block_q
+    first_row = own_len + _exclusive_cumsum(blocks) * block_q  # [R, S] first virtual row of chunk s
+
+    sorted_key, order = torch.sort(key, dim=1, stable=True)
+    in_range = sorted_key < S
+    sorted_key = sorted_key.clamp(max=S - 1)
+    rank = torch.arange(key.shape[1], device=device) - _exclusive_cumsum(counts).gather(1, sorted_key)
+    row_sorted = torch.where(in_range, first_row.gather(1, sorted_key) + rank, 0)
+    rows = torch.empty_like(row_sorted).scatter_(1, order, row_sorted)  # [R, G*S*P]
+
+    source = torch.zeros(B * H_kv, own_len + past_len + 1, dtype=torch.long, device=device)
+    query = torch.arange(G * S * P, device=device) // P  # head_in_group * S + t
+    scatter_to = torch.where(in_range, row_sorted, own_len + past_len)  # unused pairs: a spare row
+    source.scatter_(1, scatter_to, query[order])
+    source = source[:, own_len:own_len + past_len]
+
+    # Each block of past rows reads the one chunk it was laid out for.
+    n_blocks = past_len // block_q
+    blocks_through = torch.cumsum(blocks, dim=1)  # [R, S]
+    block_index = torch.arange(n_blocks, device=device).expand(B * H_kv, n_blocks).contiguous()
+    block_chunk = torch.searchsorted(blocks_through, block_index, right=True)  # S where unused
+    used = block_chunk < S
+    start = torch.where(used, block_chunk, 0).repeat_interleave(block_q, dim=1)
+    end = torch.where(used, block_chunk + c, 0).repeat_interleave(block_q, dim=1)
+    view = lambda x: x.view(B, H_kv, -1)  # noqa: E731
+    return view(start), view(end), view(source), rows.view(B, H, S, P)
+
+
+def _interval_mask_mod(key_start: torch.Tensor, key_end: torch.Tensor, sink_at: int | None):
+    """Virtual row r attends keys in ``[key_start[r], key_end[r])`` (and the sink key)."""
+    if sink_at is None:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx >= key_start[b, h, q_idx]) & (kv_idx < key_end[b, h, q_idx])
+    else:
+        def mask_mod(b, h, q_idx, kv_idx):
+            in_interval = (kv_idx >= key_start[b, h, q_idx]) & (kv_idx < key_end[b, h, q_idx])
+            return in_interval | ((kv_idx == sink_at) & (key_end[b, h, q_idx] > 0))
+    return mask_mod
+
+
+def plan_from_selection(selection: Selection, kv_heads: int, *, block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
+                        sink: bool = False, compute_q_blocks: bool = False) -> MoBAFlexPlan:
+    """The :class:`MoBAFlexPlan` of an already computed selection."""
+    Bq, Bk = (block_size, block_size) if isinstance(block_size, int) else block_size
+    B, H, S, P = selection.past_chunks.shape
+    G = H // kv_heads
+    # Past slots only exist where some query may have a past chunk.
+    own_len, past_len = virtual_lengths(G, S, selection.layout.chunk_size, P + 1, Bq)
+    with torch.no_grad():
+        own_start, own_end, own_source, own_row = _own_rows(selection, kv_heads, own_len)
+        if P > 0:
+            past_start, past_end, past_source, past_row = _past_rows(selection, kv_heads, own_len, past_len, Bq)
+            key_start = torch.cat([own_start, past_start], 2)
+            key_end = torch.cat([own_end, past_end], 2)
+            source = torch.cat([own_source, past_source], 2)
+            rows = torch.cat([own_row[..., None], past_row], -1)
+        else:
+            key_start, key_end, source, rows = own_start, own_end, own_source.contiguous(), own_row[..., None]
+        _, valid = selected_pairs(selection)
+        valid = torch.cat([valid[..., -1:], valid[..., :-1]], -1)  # own slot first
+        starts, ends = key_start[..., None], key_end[..., None]
+        if sink:
+            used = key_end > 0
+            starts = torch.cat([starts, torch.where(used, S, 0)[..., None]], -1)
+            ends = torch.cat([ends, torch.where(used, S + 1, 0)[..., None]], -1)
+        kv_len = S + int(sink)
+        tables = interval_block_tables(starts, ends, (Bq, Bk), kv_len)
+        block_mask = BlockMask.from_kv_blocks(
+            *tables, BLOCK_SIZE=(Bq, Bk), mask_mod=_interval_mask_mod(key_start, key_end, S if sink else None),
+            seq_lengths=(key_start.shape[-1], kv_len), compute_q_blocks=compute_q_blocks)
+    return MoBAFlexPlan(block_mask, key_start, key_end, source, rows, valid, sink, own_len, selection)
+
+
+def _sink_scores(plan: MoBAFlexPlan, virtual_q: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """``[B, H_kv, L]`` fp32 sink score per virtual row: the diagonal score ``q_t . k_t`` of
+    own rows (``p <= 1/2``), the score against the chunk's mean key for past rows (``p <= 1/(C+1)``)."""
+    B, H_kv, S, D = k.shape
+    G = q.shape[1] // H_kv
+    diagonal = (q.float().view(B, H_kv, G, S, D) * k.float()[:, :, None]).sum(-1)  # [B, H_kv, G, S]
+    own = F.pad(diagonal, (0, plan.own_len // G - S)).view(B, H_kv, plan.own_len)
+    Bq = plan.block_mask.BLOCK_SIZE[0]
+    start = plan.key_start[:, :, plan.own_len::Bq]  # [B, H_kv, n_blocks]: past blocks read one chunk each
+    end = plan.key_end[:, :, plan.own_len::Bq]
+    prefix = F.pad(k.float().cumsum(2), (0, 0, 1, 0))  # [B, H_kv, S + 1, D]
+    at = lambda index: prefix.gather(2, index[..., None].expand(-1, -1, -1, D))  # noqa: E731
+    means = (at(end) - at(start)) / (end - start).clamp(min=1)[..., None]
+    past_q = virtual_q[:, :, plan.own_len:].float().view(B, H_kv, -1, Bq, D)
+    past = (past_q * means[:, :, :, None]).sum(-1).view(B, H_kv, -1)
+    score = torch.cat([own, past], -1) * scale
+    return torch.nan_to_num(score, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _flex_with_sink(flex, plan: MoBAFlexPlan, virtual_q, q, k, v, scale):
+    """Flex over keys plus the sink; returns (out ``[B, H_kv, L, Dv]``, lse ``[B, H_kv, L]`` fp32)."""
+    B, H_kv, S, Dv = v.shape
+    c = _sink_scores(plan, virtual_q, q, k, scale)
+    k_ext = torch.cat([k, k.new_zeros(B, H_kv, 1, k.shape[-1])], 2)
+    v_ext = v.new_zeros(B, H_kv, S + 1, Dv + 1)
+    v_ext[:, :, :S, :Dv] = v
+    v_ext[:, :, S, Dv] = 1
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.where(kv_idx == S, c[b, h, q_idx].to(score.dtype), score)
+
+    out = flex(virtual_q, k_ext, v_ext, score_mod=score_mod, block_mask=plan.block_mask, scale=scale)
+    p = out[..., Dv].float()
+    lse = c + torch.log1p(-p) - torch.log(p)
+    out = out[..., :Dv] / (1 - p[..., None]).to(out.dtype)
+    tiny = (p < SINK_MIN_P) & (plan.key_end > 0)
+    if bool(tiny.any()):  # CPU only: no device sync
+        lse = lse.masked_scatter(tiny, _direct_lse(plan, virtual_q, k, scale, tiny))
+    return out, lse
+
+
+def _direct_lse(plan: MoBAFlexPlan, virtual_q, k, scale, rows: torch.Tensor) -> torch.Tensor:
+    """Log-sum-exp of the selected virtual ``rows`` (``[B, H_kv, L]`` bool) computed directly."""
+    b, h, r = rows.nonzero(as_tuple=True)
+    start, end = plan.key_start[b, h, r], plan.key_end[b, h, r]
+    span = plan.selection.layout.chunk_size
+    keys = start[:, None] + torch.arange(span, device=k.device)
+    inside = keys < end[:, None]
+    logits = (k[b[:, None], h[:, None], keys.clamp(max=k.shape[2] - 1)].float()
+              @ virtual_q[b, h, r].float()[:, :, None])[..., 0] * scale
+    return torch.logsumexp(logits.masked_fill(~inside, float("-inf")), dim=-1)
+
+
+def moba_flex_plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    chunk_size: int,
+    top_k: int,
+    document_ids: torch.Tensor | None = None,
+    block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
+    granularity="token",
+    sink: bool | None = None,
+) -> MoBAFlexPlan:
+    """Gate ``q`` against ``k`` and plan exact, block-sparse MoBA through FlexAttention.
+
+    Args:
+        q: ``[B, H, S, D]``; k: ``[B, H_kv, S, D]``.
+        chunk_size, top_k, document_ids, granularity: as in :func:`flexmoba.moba_selection`.
+        block_size: FlexAttention's ``(Q, KV)`` block (an int for both); on GPU a multiple of 128.
+        sink: recover the log-sum-exp with a sink key (default: on CPU, where compiled flex
+            cannot return it).
+
+    Returns:
+        A :class:`MoBAFlexPlan`; ``plan.attention(q, k, v)`` runs it.
+    """
+    chunk_size, top_k, granularity = _check_selection_args(q, k, chunk_size, top_k, granularity, document_ids)
+    selection = select_chunks(q, k, chunk_size=chunk_size, top_k=top_k, granularity=granularity,
+                              document_ids=document_ids)
+    sink = q.device.type == "cpu" if sink is None else bool(sink)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    return plan_from_selection(selection, k.shape[1], block_size=block_size, sink=sink, compute_q_blocks=grad)

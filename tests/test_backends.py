@@ -1,0 +1,149 @@
+"""The backend table: every registered backend against the oracle and the official vectors,
+the registration contract, and which backend ``auto`` picks."""
+
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given
+from torch.nn.attention.flex_attention import flex_attention
+
+import oracle
+from conformance_cases import load_cases
+from flexmoba import backend_names, moba_attention, moba_attention_varlen, register_backend
+from flexmoba import backends as backend_table
+from flexmoba.attention import CPU_FLEX_MIN_SEQ, resolve_backend
+from flexmoba.selection import Selection
+from strategies import problems, random_inputs
+
+BUILT_IN = ("flex", "flex_union", "gather", "sdpa")
+FLEX_BACKENDS = ("flex", "flex_union")
+
+
+def run(backend, q, k, v, **kwargs):
+    """Flex backends run under no_grad and through eager flex: the mask_mod and the plan,
+    without compiling a kernel per drawn shape (compiled kernels: fixed shapes, elsewhere)."""
+    if backend in FLEX_BACKENDS:
+        with torch.no_grad(), mock.patch("flexmoba.compiled_flex._compiled_flex", flex_attention):
+            return moba_attention(q, k, v, backend=backend, **kwargs)
+    return moba_attention(q, k, v, backend=backend, **kwargs)
+
+
+def test_the_built_in_backends_are_registered():
+    assert set(BUILT_IN) <= set(backend_names())
+
+
+@pytest.mark.parametrize("backend", backend_names())
+@given(problem=problems())
+def test_every_backend_equals_the_oracle(backend, problem):
+    got = run(backend, problem.q, problem.k, problem.v, **problem.kwargs)
+    expected = oracle.attention(problem.q, problem.k, problem.v, **problem.kwargs)
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", backend_names())
+def test_every_backend_uses_a_custom_scale(backend):
+    q, k, v = random_inputs(7, 1, 4, 2, 45, 8)
+    kw = dict(chunk_size=6, top_k=3)
+    got = run(backend, q, k, v, scale=0.31, **kw)
+    torch.testing.assert_close(got.double(), oracle.attention(q, k, v, scale=0.31, **kw), atol=1e-5, rtol=1e-5)
+
+
+CASES = load_cases()
+
+
+@pytest.mark.parametrize("backend", backend_names())
+def test_every_backend_matches_the_official_vectors(conformance_dir, backend):
+    assert CASES, f"no official vectors in {conformance_dir}"
+    for case in CASES:
+        q, k, v = (case[name] for name in "qkv")
+        with torch.no_grad(), mock.patch("flexmoba.compiled_flex._compiled_flex", flex_attention):
+            out = moba_attention_varlen(q, k, v, case["cu_seqlens"], chunk_size=case["chunk_size"],
+                                        top_k=case["top_k"], backend=backend)
+        torch.testing.assert_close(out, case["out"], atol=1e-5, rtol=0, msg=case["name"])
+
+
+@pytest.fixture
+def scratch_backend():
+    yield "scratch"
+    backend_table._TABLE.pop("scratch", None)
+
+
+def test_a_registered_backend_receives_the_selection_and_its_output_is_returned(scratch_backend):
+    seen = {}
+
+    def constant(q, k, v, selection, scale):
+        seen.update(selection=selection, scale=scale)
+        return torch.full_like(q, 3.0)
+
+    register_backend(scratch_backend, constant)
+    q, k, v = random_inputs(0, 1, 2, 1, 20, 4)
+    out = moba_attention(q, k, v, chunk_size=4, top_k=2, backend=scratch_backend)
+    assert torch.equal(out, torch.full_like(q, 3.0))
+    assert isinstance(seen["selection"], Selection)
+    assert seen["selection"].chunks.shape == (1, 2, 20, 5)
+    assert seen["scale"] == pytest.approx(4 ** -0.5)
+
+
+def test_registering_a_name_twice_needs_replace(scratch_backend):
+    register_backend(scratch_backend, lambda q, k, v, selection, scale: q)
+    with pytest.raises(ValueError, match="already registered"):
+        register_backend(scratch_backend, lambda q, k, v, selection, scale: q)
+    with pytest.raises(ValueError, match="already registered"):
+        register_backend("gather", lambda q, k, v, selection, scale: q)
+    register_backend(scratch_backend, lambda q, k, v, selection, scale: 2 * q, replace=True)
+    q, k, v = random_inputs(0, 1, 1, 1, 8, 4)
+    assert torch.equal(moba_attention(q, k, v, chunk_size=4, top_k=1, backend=scratch_backend), 2 * q)
+
+
+def test_auto_is_reserved_and_unknown_names_are_refused():
+    with pytest.raises(ValueError, match="reserved"):
+        register_backend("auto", lambda q, k, v, selection, scale: q)
+    with pytest.raises(TypeError, match="callable"):
+        register_backend("nope", 3)
+    q, k, v = random_inputs(0, 1, 1, 1, 8, 4)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        moba_attention(q, k, v, chunk_size=4, top_k=1, backend="nope")
+
+
+def test_flex_refuses_gradients_on_cpu():
+    q, k, v = (t.requires_grad_() for t in random_inputs(0, 1, 1, 1, 16, 4))
+    for backend in FLEX_BACKENDS:
+        with pytest.raises(ValueError, match="no CPU backward"):
+            moba_attention(q, k, v, chunk_size=4, top_k=2, backend=backend)
+
+
+def inputs(S, grad=False, device="cpu"):
+    q, k, v = (torch.empty(1, 2, S, 8, device=device, requires_grad=grad) for _ in range(3))
+    return q, k, v
+
+
+@pytest.mark.parametrize("S, grad, expected", [
+    (256, True, "sdpa"),                      # short: the dense mask is fastest
+    (2 * 64 * 3 + 1, True, "gather"),         # long enough for sparsity, with gradients
+    (CPU_FLEX_MIN_SEQ, True, "gather"),       # flex has no CPU backward
+    (256, False, "sdpa"),
+    (2 * 64 * 3 + 1, False, "gather"),
+    (CPU_FLEX_MIN_SEQ, False, "flex"),        # inference at length: the compiled plan
+])
+def test_auto_routing_on_cpu(S, grad, expected):
+    q, k, v = inputs(S, grad)
+    for granularity in ("token", 16):
+        assert resolve_backend("auto", q, k, v, chunk_size=64, top_k=3, granularity=granularity) == expected
+
+
+def test_auto_routing_without_grad_mode():
+    q, k, v = inputs(CPU_FLEX_MIN_SEQ, grad=True)
+    with torch.no_grad():
+        assert resolve_backend("auto", q, k, v, chunk_size=64, top_k=3) == "flex"
+
+
+def test_auto_routing_off_cpu_is_flex():
+    q, k, v = inputs(64, grad=True, device="meta")
+    assert resolve_backend("auto", q, k, v, chunk_size=16, top_k=2) == "flex"
+
+
+def test_explicit_names_pass_through():
+    q, k, v = inputs(64)
+    for name in backend_names():
+        assert resolve_backend(name, q, k, v, chunk_size=16, top_k=2) == name
