@@ -22,6 +22,17 @@ def run_backend(backend, q, k, v, **kwargs):
     return moba_attention(q, k, v, backend=backend, **kwargs)
 
 
+def seeded_randn(like):
+    """Normal noise shaped like ``like``, the same on every call (a retried example sees the same)."""
+    return torch.randn(like.shape, generator=torch.Generator().manual_seed(like.numel()), dtype=like.dtype)
+
+
+def grad_tolerance(problem):
+    """fp32 gradients of two exact implementations drift apart with sharper softmaxes:
+    up to 4e-6 at the default scale, 1.3e-5 at scale 1 (measured over ~2000 draws)."""
+    return 1e-5 if problem.scale is None else 2e-5
+
+
 def oracle_out(problem):
     return oracle.attention(problem.q, problem.k, problem.v, **problem.attention_kwargs)
 
@@ -70,8 +81,8 @@ def test_future_keys_and_values_never_change_earlier_outputs(problem):
     cut = S // 2
     out = moba_attention(problem.q, problem.k, problem.v, backend="sdpa", **problem.kwargs)
     k2, v2 = problem.k.clone(), problem.v.clone()
-    k2[:, :, cut:] = torch.randn_like(k2[:, :, cut:]) * 3
-    v2[:, :, cut:] = torch.randn_like(v2[:, :, cut:]) * 3
+    k2[:, :, cut:] = seeded_randn(k2[:, :, cut:]) * 3
+    v2[:, :, cut:] = seeded_randn(v2[:, :, cut:]) * 3 + 1
     out2 = moba_attention(problem.q, k2, v2, backend="sdpa", **problem.kwargs)
     torch.testing.assert_close(out2[:, :, :cut], out[:, :, :cut], atol=0, rtol=0)
 
@@ -133,7 +144,7 @@ def test_short_sequences_equal_causal_attention(problem):
 
 @given(problems())
 def test_differentiable_backends_have_reference_gradients(problem):
-    grad_out = torch.randn_like(problem.q)
+    grad_out = seeded_randn(problem.q)
 
     def grads(fn, **kw):
         inputs = [t.clone().requires_grad_() for t in (problem.q, problem.k, problem.v)]
@@ -141,7 +152,7 @@ def test_differentiable_backends_have_reference_gradients(problem):
         return [t.grad for t in inputs]
 
     expected = grads(moba_reference)
-    tol = 1e-5 * max(1.0, problem.scale or 0.0)  # gradients grow with the scale
+    tol = grad_tolerance(problem)
     for backend in ("sdpa", "gather", "auto"):
         for got, want in zip(grads(moba_attention, backend=backend), expected):
             torch.testing.assert_close(got, want, atol=tol, rtol=1e-5)
@@ -162,7 +173,7 @@ def test_gather_unfused_path_equals_reference_with_gradients(problem):
     """The path gather takes off CPU (plain tensor math), checked here by forcing it."""
     import flexmoba.gather as gather
 
-    grad_out = torch.randn_like(problem.q)
+    grad_out = seeded_randn(problem.q)
     results = []
     for fused in (False, True):
         original = gather._fused_cpu
@@ -177,7 +188,7 @@ def test_gather_unfused_path_equals_reference_with_gradients(problem):
     inputs = [t.clone().requires_grad_() for t in (problem.q, problem.k, problem.v)]
     ref = moba_reference(*inputs, **problem.attention_kwargs)
     (ref * grad_out).sum().backward()
-    tol = 1e-5 * max(1.0, problem.scale or 0.0)  # gradients grow with the scale
+    tol = grad_tolerance(problem)
     for result in results:
         for got, want in zip(result, [ref] + [t.grad for t in inputs]):
             torch.testing.assert_close(got, want, atol=tol, rtol=1e-5)
