@@ -9,10 +9,24 @@ query gates against the means of the complete chunks before its own chunk, keeps
 Chunk means come from running per-chunk key sums (:class:`ChunkKeySums`), so absorbing a
 new key costs O(D) instead of re-pooling all ``T`` keys every step.
 
+How the selected keys are read (``path``; ``"auto"`` picks):
+
+- ``"dense"`` (auto only): when every query's own chunk index is below ``top_k``, MoBA
+  selects every earlier chunk and equals full causal attention, so it runs as dense
+  attention. (One difference, on non-finite input only: MoBA never selects a past chunk
+  whose gate score is NaN or -inf; the dense shortcut attends it.)
+- ``"blocks"`` (up to :data:`GATHER_MAX_QUERIES` new queries, fp32): the sums also keep
+  each chunk's keys transposed, ``[D, chunk_size]``, so a query's logits against a chunk are
+  one weighted sum of D rows, and its output one weighted sum of value rows:
+  ``embedding_bag`` computes both straight from the buffers, with no gathered copy of the
+  keys or values. Costs one extra copy of the keys in memory.
+- ``"gather"``: gathers each query's selected keys and values (fp32 softmax); any dtype.
+- ``"mask"`` (chunked prefill, many queries): one ``[S_new, T]`` mask for SDPA.
+
 A row may start with padding (left padding, as in batched generation): ``start[b]`` is
 the first real position of row b; chunks are counted from there, and real queries never
-attend the positions before it. Padding queries attend only themselves (a finite,
-meaningless output).
+attend the positions before it, even when they hold non-finite values. Padding queries
+attend only themselves (a meaningless output).
 
 Shapes: ``q: [B, H, S_new, D]``; keys, values ``[B, H_kv, T, D]``, ``H % H_kv == 0``.
 """
@@ -25,9 +39,10 @@ import torch.nn.functional as F
 from flexmoba import _checks, selection
 from flexmoba.selection import scores_against_means
 
-# Up to this many new queries, attend by gathering each query's selected keys
-# (O(top_k * chunk_size) per query); beyond it (chunked prefill) use one [S_new, T] mask.
+# Up to this many new queries, read each query's selected keys (O(top_k * chunk_size) per
+# query); beyond it (chunked prefill) use one [S_new, T] mask.
 GATHER_MAX_QUERIES = 16
+PATHS = ("auto", "blocks", "gather", "mask")
 
 
 def _check_start(start, batch: int, device) -> torch.Tensor:
@@ -43,35 +58,50 @@ def _check_start(start, batch: int, device) -> torch.Tensor:
 
 
 class ChunkKeySums:
-    """Running fp32 sums of the keys of every chunk, for O(D) chunk-mean updates.
+    """Running per-chunk state of the keys: fp32 sums and rounded means for the gate and, on
+    demand, the keys of each chunk transposed (for the ``"blocks"`` path).
 
     Attributes:
-        sums: ``[B, H_kv, N, D]`` fp32 key sums per chunk (``N`` grows as needed).
-        counts: ``[B, N]`` fp32 keys per chunk.
+        sums: ``[B, H_kv, N, D]`` fp32 key sums per chunk (``N`` grows by doubling).
         start: ``[B]`` first real position of each row; chunk j holds positions
             ``start + j * chunk_size ...``; positions before ``start`` are left out.
+        padded: whether any row has left padding (read once, at construction).
         length: positions absorbed so far (padding included).
         last_key: ``[B, H_kv, D]`` the key at ``length - 1``, so a caller that keeps these
             sums beside someone else's cache can tell whether that cache changed under it.
+        blocks: ``None`` or ``[B, H_kv, N, D, chunk_size]``: ``blocks[b, h, j, :, i]`` is the
+            key at ``start[b] + j * chunk_size + i`` (zero where not yet written).
     """
 
     def __init__(self, batch: int, kv_heads: int, head_dim: int, chunk_size: int, *,
-                 start: torch.Tensor | None = None, device=None, key_dtype=torch.float32):
+                 start: torch.Tensor | None = None, device=None, key_dtype=torch.float32,
+                 keep_blocks: bool = True):
         self.chunk_size = _checks.check_positive_int(chunk_size, "chunk_size")
         self.start = _check_start(start, batch, device)
+        self.start_list = self.start.tolist()  # one host read here, none per step
+        self.padded = any(self.start_list)
         self.key_dtype = key_dtype
+        self.keep_blocks = keep_blocks
         self.sums = torch.zeros(batch, kv_heads, 0, head_dim, device=device, dtype=torch.float32)
-        self.counts = torch.zeros(batch, 0, device=device, dtype=torch.float32)
+        self._means = torch.zeros_like(self.sums)
+        self.blocks: torch.Tensor | None = None
         self.length = 0
         self.last_key: torch.Tensor | None = None
 
     @classmethod
-    def from_keys(cls, keys: torch.Tensor, chunk_size: int, start: torch.Tensor | None = None) -> "ChunkKeySums":
+    def from_keys(cls, keys: torch.Tensor, chunk_size: int, start: torch.Tensor | None = None,
+                  keep_blocks: bool = True) -> "ChunkKeySums":
         """Sums over ``keys: [B, H_kv, T, D]`` (positions 0 .. T-1)."""
         B, H_kv, _, D = keys.shape
-        sums = cls(B, H_kv, D, chunk_size, start=start, device=keys.device, key_dtype=keys.dtype)
+        sums = cls(B, H_kv, D, chunk_size, start=start, device=keys.device, key_dtype=keys.dtype,
+                   keep_blocks=keep_blocks)
         sums.update(keys)
         return sums
+
+    @property
+    def n_chunks(self) -> int:
+        """Chunks of the longest row so far (at least 1)."""
+        return chunk_count(self.length, min(self.start_list), self.chunk_size)
 
     def _grow(self, n_chunks: int) -> None:
         have = self.sums.shape[2]
@@ -79,35 +109,67 @@ class ChunkKeySums:
             return
         extra = max(n_chunks, 2 * have) - have
         self.sums = F.pad(self.sums, (0, 0, 0, extra))
-        self.counts = F.pad(self.counts, (0, extra))
+        self._means = F.pad(self._means, (0, 0, 0, extra))
+        if self.blocks is not None:
+            self.blocks = F.pad(self.blocks, (0, 0, 0, 0, 0, extra))
+
+    def _spans(self, first: int, end: int):
+        """Per row and chunk, the real positions among ``first .. end - 1``: tuples
+        ``(b, chunk, offset in chunk, count, offset in first .. end - 1)``. Host ints only."""
+        c = self.chunk_size
+        for b, start in enumerate(self.start_list):
+            lo, hi = max(first - start, 0), end - start  # local positions
+            for j in range(lo // c, (hi - 1) // c + 1 if hi > lo else 0):
+                a, e = max(lo, j * c), min(hi, (j + 1) * c)
+                yield b, j, a - j * c, e - a, start + a - first
 
     def update(self, k_new: torch.Tensor) -> None:
-        """Absorb ``k_new: [B, H_kv, S_new, D]``, the keys of positions ``length .. length + S_new - 1``."""
-        B, H_kv, S_new, D = k_new.shape
+        """Absorb ``k_new: [B, H_kv, S_new, D]``, the keys of positions ``length .. length + S_new - 1``.
+
+        Padding positions are skipped, never multiplied by 0: a non-finite one cannot leak.
+        """
+        S_new = k_new.shape[2]
         if S_new == 0:
             return
-        positions = self.length + torch.arange(S_new, device=k_new.device)
-        local = positions[None, :] - self.start[:, None]  # [B, S_new]
-        real = local >= 0
-        chunk = local.clamp(min=0) // self.chunk_size
-        self._grow((self.length + S_new - 1) // self.chunk_size + 1)  # enough for start = 0
-        # where(), not multiply: a non-finite padding key must not leak into chunk 0.
-        k32 = torch.where(real[:, None, :, None], k_new.float(), 0.0)
-        self.sums.scatter_add_(2, chunk[:, None, :, None].expand(B, H_kv, S_new, D), k32)
-        self.counts.scatter_add_(1, chunk, real.float())
-        self.length += S_new
+        end = self.length + S_new
+        self._grow(chunk_count(end, min(self.start_list), self.chunk_size))
+        for b, j, offset, n, src in self._spans(self.length, end):
+            piece = k_new[b, :, src: src + n]  # [H_kv, n, D]
+            total = self.sums[b, :, j]
+            total += piece.sum(1, dtype=torch.float32)
+            # The chunk holds offset + n keys now: all positions before these are real.
+            self._means[b, :, j] = (total / (offset + n)).to(self.key_dtype)
+            if self.blocks is not None:
+                self.blocks[b, :, j, :, offset: offset + n] = piece.transpose(-1, -2)
+        self.length = end
         self.last_key = k_new[:, :, -1].detach().clone()
 
     def means(self) -> torch.Tensor:
-        """``[B, H_kv, N, D]`` fp32 chunk means, rounded through the key dtype like :func:`chunk_means`."""
-        counts = self.counts.clamp(min=1)[:, None, :, None]
-        return (self.sums / counts).to(self.key_dtype).float()
+        """``[B, H_kv, n_chunks, D]`` fp32 chunk means, rounded through the key dtype like
+        :func:`flexmoba.selection.chunk_means` (the official gate pools keys in their dtype)."""
+        return self._means[:, :, : self.n_chunks]
+
+    def key_blocks(self, keys: torch.Tensor) -> torch.Tensor:
+        """``blocks``, built from ``keys: [B, H_kv, T, D]`` (the keys these sums hold) on first use."""
+        if self.blocks is None:
+            B, H_kv, _, D = keys.shape
+            self.blocks = keys.new_zeros(B, H_kv, self.sums.shape[2], D, self.chunk_size)
+            for b, j, offset, n, src in self._spans(0, self.length):
+                self.blocks[b, :, j, :, offset: offset + n] = keys[b, :, src: src + n].transpose(-1, -2)
+        return self.blocks
+
+
+def chunk_count(length: int, first_start: int, chunk_size: int) -> int:
+    """Chunks spanned by ``length`` positions of the row whose real tokens start earliest (at least 1)."""
+    return max(length - first_start - 1, 0) // chunk_size + 1
 
 
 class MoBAKVCache:
-    """One layer's KV cache for MoBA decoding: keys, values and running chunk key sums.
+    """One layer's KV cache for MoBA decoding: keys, values and running chunk state.
 
-    Buffers grow by doubling, so appending a token is amortised O(H_kv * D).
+    Buffers grow by doubling, so appending a token is amortised O(H_kv * D). The chunk
+    state (:attr:`sums`) catches up with the keys only when MoBA needs it, so a context that
+    still fits in ``chunk_size * top_k`` (dense attention) pays nothing for it.
 
     Usage, per layer and step::
 
@@ -120,7 +182,7 @@ class MoBAKVCache:
         self._start = start
         self._keys: torch.Tensor | None = None
         self._values: torch.Tensor | None = None
-        self.sums: ChunkKeySums | None = None
+        self._sums: ChunkKeySums | None = None
         self.length = 0
 
     @property
@@ -131,6 +193,17 @@ class MoBAKVCache:
     @property
     def values(self) -> torch.Tensor:
         return self._values[:, :, : self.length]
+
+    @property
+    def sums(self) -> ChunkKeySums:
+        """The chunk state, brought up to all cached keys."""
+        self._sums.update(self.keys[:, :, self._sums.length:])
+        return self._sums
+
+    @property
+    def start(self) -> torch.Tensor | None:
+        """``[B]`` first real position of each row, or ``None`` when no row is padded."""
+        return self._sums.start if self._sums.padded else None
 
     def _reserve(self, new_length: int) -> None:
         capacity = self._keys.shape[2]
@@ -151,14 +224,13 @@ class MoBAKVCache:
             B, H_kv, _, D = k_new.shape
             self._keys = k_new.new_zeros(B, H_kv, 0, D)
             self._values = v_new.new_zeros(B, H_kv, 0, v_new.shape[-1])
-            self.sums = ChunkKeySums(B, H_kv, D, self.chunk_size, start=self._start,
-                                     device=k_new.device, key_dtype=k_new.dtype)
+            self._sums = ChunkKeySums(B, H_kv, D, self.chunk_size, start=self._start,
+                                      device=k_new.device, key_dtype=k_new.dtype)
         elif k_new.shape[:2] != self._keys.shape[:2] or k_new.shape[3] != self._keys.shape[3]:
             raise ValueError(f"k_new {tuple(k_new.shape)} does not match the cached keys {tuple(self.keys.shape)}")
         self._reserve(self.length + S_new)
         self._keys[:, :, self.length: self.length + S_new] = k_new
         self._values[:, :, self.length: self.length + S_new] = v_new
-        self.sums.update(k_new)
         self.length += S_new
         return self.keys, self.values
 
@@ -174,8 +246,7 @@ def select_past_chunks(q: torch.Tensor, means: torch.Tensor, own: torch.Tensor, 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     """``x: [B, H_kv, T, D]`` as a ``[R, D]`` table of rows (no copy when each row is contiguous,
-    e.g. a view of a cache buffer), and the row step of b, kv head and position.
-    ``index_select`` on this table is several times faster than 4-D advanced indexing."""
+    e.g. a view of a cache buffer), and the row step of b, kv head and position."""
     D = x.shape[-1]
     if x.stride(-1) != 1 or any(st % D for st in x.stride()[:3]) or x.stride(2) != D:
         x = x.contiguous()
@@ -185,6 +256,13 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     return table, steps
 
 
+def _kv_head(B: int, H: int, H_kv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(batch [B, 1, 1, 1], kv head of each query head [1, H, 1, 1])`` for index arithmetic."""
+    batch = torch.arange(B, device=device).view(B, 1, 1, 1)
+    kv_head = (torch.arange(H, device=device) // (H // H_kv)).view(1, H, 1, 1)
+    return batch, kv_head
+
+
 def gathered_attention(q, keys, values, key_pos, allowed, scale):
     """Each query attends its own list of key positions.
 
@@ -192,9 +270,7 @@ def gathered_attention(q, keys, values, key_pos, allowed, scale):
     ``[B, H, S_new, Dv]``. Softmax in fp32, like :func:`flexmoba.moba_reference`.
     """
     B, H, S_new, L = key_pos.shape
-    H_kv = keys.shape[1]
-    batch = torch.arange(B, device=q.device).view(B, 1, 1, 1)
-    kv_head = (torch.arange(H, device=q.device) // (H // H_kv)).view(1, H, 1, 1)
+    batch, kv_head = _kv_head(B, H, keys.shape[1], q.device)
 
     def gather(x):  # [B, H_kv, T, D] -> [B, H, S_new, L, D] fp32
         table, steps = _rows(x)
@@ -212,20 +288,47 @@ def masked_attention(q, keys, values, allowed, scale):
                                           enable_gqa=q.shape[1] != keys.shape[1])
 
 
-def dense_causal_attention(q, keys, values, start: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+def _zero_padding(keys, values, start: torch.Tensor):
+    """Keys and values with the positions before ``start: [B]`` set to 0.
+
+    SDPA adds the mask to ``q . k`` and multiplies probabilities by ``v``: a NaN or inf in a
+    masked-out padding key or value would still reach every row (NaN - inf, 0 * inf).
+    """
+    real = (torch.arange(keys.shape[2], device=keys.device)[None, :] >= start[:, None])[:, None, :, None]
+    return keys.masked_fill(~real, 0), values.masked_fill(~real, 0)
+
+
+def dense_causal_attention(q, keys, values, start: torch.Tensor | None = None,
+                           scale: float | None = None) -> torch.Tensor:
     """Full causal attention of ``q: [B, H, S_new, D]`` aligned to the end of ``keys, values: [B, H_kv, T, D]``.
 
-    Real queries attend every real key up to themselves (``start: [B]`` first real
-    position); padding queries attend only themselves.
+    ``start: [B]`` first real position of each row, or ``None`` for no padding. Real
+    queries attend every real key up to themselves; padding queries attend only themselves.
     """
-    S_new, T = q.shape[2], keys.shape[2]
-    q_pos = T - S_new + torch.arange(S_new, device=q.device)
-    key_pos = torch.arange(T, device=q.device)
+    B, H, S_new, D = q.shape
+    H_kv, T = keys.shape[1], keys.shape[2]
+    if start is not None:
+        keys, values = _zero_padding(keys, values, start)
+    if S_new == 1:  # one query per head: the heads of a KV group become the query rows of one call
+        allowed = None if start is None else _dense_allowed(start, T, 1, q.device)[:, None]  # [B, 1, 1, T]
+        out = F.scaled_dot_product_attention(q.reshape(B, H_kv, H // H_kv, D), keys, values,
+                                             attn_mask=allowed, scale=scale)
+        return out.reshape(B, H, 1, -1)
+    if start is None and S_new == T:
+        return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale,
+                                              enable_gqa=H != H_kv)
+    start = torch.zeros(B, dtype=torch.long, device=q.device) if start is None else start
+    return masked_attention(q, keys, values, _dense_allowed(start, T, S_new, q.device)[:, None], scale)
+
+
+def _dense_allowed(start: torch.Tensor, T: int, S_new: int, device) -> torch.Tensor:
+    """``[B, S_new, T]`` bool: the causal, padding-aware mask of the last ``S_new`` queries."""
+    q_pos = T - S_new + torch.arange(S_new, device=device)
+    key_pos = torch.arange(T, device=device)
     key_real = key_pos[None, :] >= start[:, None]  # [B, T]
     causal = key_pos[None, :] <= q_pos[:, None]  # [S_new, T]
     q_pad = (q_pos[None, :] < start[:, None])[:, :, None]  # [B, S_new, 1]
-    allowed = torch.where(q_pad, key_pos == q_pos[:, None], key_real[:, None, :] & causal)
-    return masked_attention(q, keys, values, allowed[:, None], scale)
+    return torch.where(q_pad, key_pos == q_pos[:, None], key_real[:, None, :] & causal)
 
 
 def decode_attention(
@@ -237,35 +340,124 @@ def decode_attention(
     top_k: int,
     scale: float | None = None,
     dense_decode: bool = False,
+    path: str = "auto",
 ) -> torch.Tensor:
     """MoBA for ``q: [B, H, S_new, D]`` aligned to the end of ``keys, values: [B, H_kv, T, D]``.
 
     ``sums`` must already hold all ``T`` keys. With ``dense_decode`` every query attends all
-    real keys up to itself (the paper's protocol for generated tokens).
+    real keys up to itself (the paper's protocol for generated tokens). ``path`` chooses how
+    the selected keys are read (see the module docstring); every path gives the same rows.
     """
+    top_k, scale = _check_decode_args(q, keys, values, top_k, scale, path)
+    if sums.length != keys.shape[2]:
+        raise ValueError(f"chunk sums hold {sums.length} keys but keys hold {keys.shape[2]}; update the sums first")
+    start = sums.start if sums.padded else None
+    if dense_decode or (path == "auto" and sums.n_chunks <= top_k):
+        return dense_causal_attention(q, keys, values, start, scale)
+    return _moba_rows(q, keys, values, sums, top_k, scale, path)
+
+
+def _check_decode_args(q, keys, values, top_k, scale, path) -> tuple[int, float]:
+    """Validate a decode call; returns ``(top_k, scale)`` with the default scale filled in."""
     _checks._check_tensor(q, "q", 4)
     _checks._check_tensor(keys, "keys", 4)
-    B, H, S_new, D = q.shape
-    T, c = keys.shape[2], sums.chunk_size
+    S_new, T = q.shape[2], keys.shape[2]
     if S_new > T:
         raise ValueError(f"q has {S_new} positions but the cache holds only {T} keys (queries sit at its end)")
     # The q/k/v checks want equal lengths: check q against the last S_new cached positions.
     _checks.check_qkv(q, keys[:, :, T - S_new:], values[:, :, T - S_new:])
     top_k = _checks.check_positive_int(top_k, "top_k")
     scale = _checks.check_scale(scale)
-    if sums.length != T:
-        raise ValueError(f"chunk sums hold {sums.length} keys but keys hold {T}; update the sums first")
-    scale = D ** -0.5 if scale is None else scale
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    return top_k, q.shape[-1] ** -0.5 if scale is None else scale
 
-    if dense_decode:
-        return dense_causal_attention(q, keys, values, sums.start, scale)
 
+def _moba_rows(q, keys, values, sums: ChunkKeySums, top_k: int, scale: float, path: str) -> torch.Tensor:
+    """Gate the new queries against the chunk means, then attend their chunks by ``path``."""
+    S_new, T, c = q.shape[2], keys.shape[2], sums.chunk_size
+    if path == "auto":
+        path = _auto_path(q, keys, values, sums, S_new)
     q_pos = T - S_new + torch.arange(S_new, device=q.device)  # [S_new]
     q_local = q_pos[None, :] - sums.start[:, None]  # [B, S_new]
     own = q_local.clamp(min=0) // c  # [B, S_new]
     past, valid = select_past_chunks(q, sums.means(), own, top_k)  # [B, H, S_new, P]
-    attend = _gather_selected if S_new <= GATHER_MAX_QUERIES else _mask_selected
-    return attend(q, keys, values, sums.start, q_pos, own, past, valid, c, scale)
+    if path == "mask":
+        if sums.padded:
+            keys, values = _zero_padding(keys, values, sums.start)
+        return _mask_selected(q, keys, values, sums.start, q_pos, own, past, valid, c, scale)
+    if path == "blocks":
+        return _blocks_selected(q, values, sums.key_blocks(keys), sums.start, q_local, own, past, valid, scale,
+                                sums.padded)
+    return _gather_selected(q, keys, values, sums.start, q_pos, own, past, valid, c, scale)
+
+
+def _auto_path(q, keys, values, sums: ChunkKeySums, S_new: int) -> str:
+    if S_new > GATHER_MAX_QUERIES:
+        return "mask"
+    fp32 = q.dtype == keys.dtype == values.dtype == torch.float32
+    return "blocks" if fp32 and sums.keep_blocks else "gather"
+
+
+def _slots(own, past, valid):
+    """The selected chunks as ``(chunks, used)``, each ``[B, H, S_new, P + 1]``, own chunk last."""
+    B, H, S_new, _ = past.shape
+    chunks = torch.cat([past, own[:, None, :, None].expand(B, H, S_new, 1)], dim=-1)
+    return chunks, F.pad(valid, (0, 1), value=True)
+
+
+def _blocks_selected(q, values, blocks, start, q_local, own, past, valid, scale, padded):
+    """Logits from the transposed key blocks and outputs from the value rows, by ``embedding_bag``.
+
+    ``blocks: [B, H_kv, N, D, c]`` fp32, ``q_local: [B, S_new]`` -> ``[B, H, S_new, Dv]``.
+    """
+    B, H, S_new, _ = q.shape
+    c = blocks.shape[-1]
+    chunks, used = _slots(own, past, valid)  # [B, H, S_new, K]
+    K = chunks.shape[-1]
+    logits = _block_logits(q, blocks, chunks, scale).view(B, H, S_new, K, c)
+    # Past slots are all or nothing; the own chunk (last slot) is cut at the query.
+    last = torch.where(used, c - 1, -1)
+    last[..., -1] = (q_local - own * c)[:, None, :]
+    allowed = torch.arange(c, device=q.device) <= last[..., None]  # [B, H, S_new, K, c]
+    logits = torch.where(allowed, logits, float("-inf")).view(B, H, S_new, K * c)
+    q_pad = (q_local < 0)[:, None, :]  # [B, 1, S_new]
+    if padded:  # a padding query attends only itself: slot 0 below reads its own row
+        logits[..., 0] = logits[..., 0].masked_fill(q_pad, 0.0)
+    probs = logits.softmax(dim=-1)
+
+    table, steps = _rows(values)
+    batch, kv_head = _kv_head(B, H, values.shape[1], q.device)
+    row = batch * steps[0] + kv_head * steps[1]  # [B, H, 1, 1]
+    own_row = row[..., 0] + (start[:, None] + q_local)[:, None, :] * steps[2]  # [B, H, S_new]
+    first = row + (start[:, None, None, None] + chunks * c) * steps[2]  # [B, H, S_new, K]
+    index = first[..., None] + torch.arange(c, device=q.device) * steps[2]
+    # Masked-out slots read the query's own row (weight 0): a key it attends anyway, so a
+    # non-finite value there cannot reach the output through 0 * inf.
+    index = torch.where(allowed, index, own_row[..., None, None]).view(-1, K * c)
+    out = F.embedding_bag(index, table, per_sample_weights=probs.view(-1, K * c), mode="sum")
+    return out.view(B, H, S_new, -1).to(q.dtype)
+
+
+def _block_logits(q, blocks, chunks, scale):
+    """``q . k * scale`` of ``q: [B, H, S_new, D]`` with every key of its ``chunks: [B, H, S_new, K]``,
+    read from ``blocks: [B, H_kv, N, D, c]`` -> ``[B, H, S_new, K * c]`` fp32.
+
+    One bag per (query, chunk): the chunk's D rows of ``blocks`` weighted by the query. Bags
+    run in (kv head, query, slot, head in group) order, so the heads of a group read their
+    shared own chunk back to back, while it is still in cache.
+    """
+    B, H, S_new, D = q.shape
+    H_kv, N, c = blocks.shape[1], blocks.shape[2], blocks.shape[-1]
+    g, K = H // H_kv, chunks.shape[-1]
+    by_group = chunks.view(B, H_kv, g, S_new, K).permute(0, 1, 3, 4, 2).contiguous()  # [B, H_kv, S_new, K, g]
+    kv_row = torch.arange(B * H_kv, device=q.device).view(B, H_kv, 1, 1, 1)
+    first = (kv_row * N + by_group) * D
+    index = (first[..., None] + torch.arange(D, device=q.device)).view(-1, D)
+    weights = (q.float() * scale).view(B, H_kv, g, S_new, 1, D).permute(0, 1, 3, 4, 2, 5)
+    weights = weights.expand(B, H_kv, S_new, K, g, D).reshape(-1, D)
+    logits = F.embedding_bag(index, blocks.view(-1, c), per_sample_weights=weights, mode="sum")
+    return logits.view(B, H_kv, S_new, K, g, c).permute(0, 1, 4, 2, 3, 5).reshape(B, H, S_new, K * c)
 
 
 def _gather_selected(q, keys, values, start, q_pos, own, past, valid, c, scale):
@@ -273,8 +465,7 @@ def _gather_selected(q, keys, values, start, q_pos, own, past, valid, c, scale):
     B, H, S_new, _ = q.shape
     T = keys.shape[2]
     q_pad = q_pos[None, :] < start[:, None]  # [B, S_new]
-    chunks = torch.cat([past, own[:, None, :, None].expand(B, H, S_new, 1)], dim=-1)  # [B, H, S_new, P + 1]
-    used = F.pad(valid, (0, 1), value=True)
+    chunks, used = _slots(own, past, valid)
     first = start[:, None, None, None] + chunks * c
     # A padding query's "own chunk" starts at itself, so it attends only itself.
     first[..., -1] = torch.where(q_pad[:, None, :], q_pos[None, None, :], first[..., -1])
@@ -309,6 +500,7 @@ def moba_decode_attention(
     top_k: int,
     scale: float | None = None,
     dense_decode: bool = False,
+    path: str = "auto",
 ) -> torch.Tensor:
     """MoBA attention of ``q_new: [B, H, S_new, D]`` over a :class:`MoBAKVCache`.
 
@@ -317,9 +509,22 @@ def moba_decode_attention(
     :func:`flexmoba.moba_reference` over the whole cached sequence (or of full causal
     attention with ``dense_decode=True``).
     """
+    _check_cache(cache)
+    top_k, scale = _check_decode_args(q_new, cache.keys, cache.values, top_k, scale, path)
+    lazy = cache._sums  # not caught up yet: dense attention does not need it
+    if dense_decode or (path == "auto" and chunk_count(cache.length, min(lazy.start_list), lazy.chunk_size) <= top_k):
+        return dense_causal_attention(q_new, cache.keys, cache.values, cache.start, scale)
+    return _moba_rows(q_new, cache.keys, cache.values, cache.sums, top_k, scale, path)
+
+
+def dense_decode_attention(q_new: torch.Tensor, cache: MoBAKVCache, *, scale: float | None = None) -> torch.Tensor:
+    """Full causal attention of ``q_new: [B, H, S_new, D]`` over a :class:`MoBAKVCache` (after ``update``)."""
+    _check_cache(cache)
+    return dense_causal_attention(q_new, cache.keys, cache.values, cache.start, _checks.check_scale(scale))
+
+
+def _check_cache(cache) -> None:
     if not isinstance(cache, MoBAKVCache):
         raise TypeError(f"cache must be a MoBAKVCache, got {type(cache).__name__}")
     if cache.length == 0:
         raise ValueError("the cache is empty; call cache.update(k_new, v_new) before attending")
-    return decode_attention(q_new, cache.keys, cache.values, cache.sums,
-                            top_k=top_k, scale=scale, dense_decode=dense_decode)

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flexmoba.attention import moba_attention
-from flexmoba.decode import MoBAKVCache, dense_causal_attention, moba_decode_attention
+from flexmoba.decode import MoBAKVCache, dense_decode_attention, moba_decode_attention
 
 ATTENTION_KINDS = ("moba", "full")
 
@@ -173,7 +173,7 @@ class CausalSelfAttention(nn.Module):
         cache.update(k, v)
         if self.active_kind == "moba":
             return moba_decode_attention(q, cache, top_k=self.config.moba_top_k, dense_decode=dense_decode)
-        return dense_causal_attention(q, cache.keys, cache.values, cache.sums.start)
+        return dense_decode_attention(q, cache)
 
 
 class SwiGLU(nn.Module):

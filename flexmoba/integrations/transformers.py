@@ -18,7 +18,10 @@ Qwen2/3, Gemma, ... in transformers >= 4.48) then runs MoBA in every causal laye
 Chunk means for decoding. HF's cache holds only K and V, so each attention module keeps
 running per-chunk key sums beside it (``module._flexmoba_chunk_sums``): one new key costs
 O(D) instead of re-pooling all cached keys, which would cost as much as dense attention
-and erase the gain. The sums are rebuilt from the cached keys (O(T), once) whenever they
+and erase the gain. Once the context outgrows ``chunk_size * top_k`` (below that, decoding
+is dense attention), fp32 models also keep a chunk-transposed copy of the keys there, so
+a step reads its selected keys without gathering them (see :mod:`flexmoba.decode`); it
+costs one more copy of each layer's keys in memory. The sums are rebuilt from the cached keys (O(T), once) whenever they
 cannot be trusted: first decode step, new cache, cache cropped or reordered (the sums
 remember their length and the last key they absorbed and compare them with the cache).
 That check is O(1), so it cannot see every edit: if the cache is rewritten in place at
@@ -157,7 +160,7 @@ def make_attention_function(*, chunk_size: int, top_k: int, dense_decode: bool =
             out = moba_attention(query, key, value, chunk_size=chunk_size, top_k=top_k, backend=backend,
                                  scale=scaling, document_ids=padding_document_ids(key_real))
         elif dense_decode:
-            out = dense_causal_attention(query, key, value, start, scaling)
+            out = dense_causal_attention(query, key, value, start if bool(start.any()) else None, scaling)
         else:
             sums = running_chunk_sums(module, key, kv_len - q_len, start, chunk_size,
                                       trust=chunk_means == "running")
@@ -248,7 +251,8 @@ def running_chunk_sums(module, key: torch.Tensor, past_len: int, start: torch.Te
     """
     sums = getattr(module, _SUMS_ATTR, None)
     if not (trust and sums_match_cache(sums, key, past_len, start, chunk_size)):
-        sums = ChunkKeySums.from_keys(key[:, :, :past_len], chunk_size, start)
+        # Rebuilt every call, the transposed key blocks would cost a copy of the keys per step.
+        sums = ChunkKeySums.from_keys(key[:, :, :past_len], chunk_size, start, keep_blocks=trust)
     sums.update(key[:, :, past_len:])
     setattr(module, _SUMS_ATTR, sums)
     return sums
