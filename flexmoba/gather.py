@@ -1,20 +1,23 @@
-"""Sparse, exact, differentiable MoBA by regrouping queries per selected chunk.
+"""Sparse, exact, differentiable MoBA: each query's chunks attended apart, merged by log-sum-exp.
 
-Queries can be processed in any order, so (as the official efficient kernel does) every
-(query, selected chunk) pair is sorted by chunk and packed into groups of up to
-``group_size`` queries that attend the same chunk. Each group is one small dense attention
-``[group_size, chunk_size]``; a query's partial results are merged with their
-log-sum-exp. Work and memory follow the real selection, O(S · top_k · chunk_size), not
-the union over a tile.
+A query's MoBA output is one softmax over the union of its selected chunks. Attending each
+chunk apart gives a partial output and its log-sum-exp; merging the parts by log-sum-exp
+gives the exact output. Two kinds of part:
 
-Past chunks are whole and wholly in the past, so their groups need no mask; own-chunk
-groups carry a causal mask. On CPU each group batch runs torch's fused flash-attention
-kernel, which also returns the log-sum-exp; elsewhere the same math runs unfused.
+- **own chunk**, causal inside: block-diagonal causal attention. Without documents the
+  chunks sit on a fixed grid, so ``[B, H, S, D]`` is viewed as ``[B * H * n_chunks, c, D]``
+  and one fused causal call covers every chunk, without copying anything. With
+  documents each chunk is one causal call on views of q, k and v.
+- **past chunks**, whole and wholly in the past: (query, chunk) pairs are sorted by the
+  keys they read, as the official efficient kernel does, so each chunk is one dense call of
+  the queries that selected it against a view of its keys. Query heads that share a KV
+  head (GQA) share the call.
 
-The backward pass is FlashAttention's: each group's gradient is computed with the merged
-output and merged log-sum-exp, which makes it the exact gradient of one softmax over the
-union of the selected keys. Query heads that share a KV head (GQA) share groups, so a
-chunk's keys are gathered once per KV head.
+On CPU every call is torch's fused flash-attention kernel, which also returns the
+log-sum-exp; elsewhere the same math runs unfused. The backward pass is FlashAttention's:
+each part's gradient is computed from the *merged* output and log-sum-exp, which makes it
+the exact gradient of one softmax over the union of the selected keys; key and value
+gradients land in views of dk, dv. Work and memory are O(S * top_k * chunk_size).
 """
 
 from __future__ import annotations
@@ -22,32 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from flexmoba.selection import Selection
-
-DEFAULT_GROUP_SIZE = 128
-
-
-@dataclass(frozen=True)
-class GroupPlan:
-    """How a set of (query, chunk) pairs is packed into ``[n_groups, group_size]`` groups.
-
-    Attributes:
-        pair: ``[P]`` flat index of each pair in ``[B, H, S, K]``.
-        group, slot: ``[P]`` where each pair sits in the packed batch.
-        query_pos: ``[n_groups, group_size]`` position of each packed query (padding: S).
-        key_index: ``[n_groups, chunk_size]`` flat row of each group's keys in
-            ``k.reshape(B * H_kv * S, D)``.
-        allowed: ``[n_groups, group_size, chunk_size]`` bool, or None when every key is
-            attended (past chunks).
-    """
-
-    pair: torch.Tensor
-    group: torch.Tensor
-    slot: torch.Tensor
-    query_pos: torch.Tensor
-    key_index: torch.Tensor
-    allowed: torch.Tensor | None
 
 
 def selected_pairs(selection: Selection) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,93 +43,101 @@ def selected_pairs(selection: Selection) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([past, own], -1), valid
 
 
-def chunk_bounds(selection: Selection) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[B, G]`` start position and length of every global chunk."""
+@dataclass(frozen=True)
+class Segment:
+    """One dense call: ``count`` queries from ``offset`` against keys ``[start, start + length)``
+    of KV row ``kv_row`` (``b * H_kv + kv head``); causal calls attend up to the query."""
+
+    offset: int
+    count: int
+    kv_row: int
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class PastPairs:
+    """(query, past chunk) pairs sorted by the keys they read.
+
+    Attributes:
+        query: ``[P]`` flat index of each pair's query in ``[B * H * S]``.
+        segments: one per (KV row, chunk), covering ``query`` in order.
+    """
+
+    query: torch.Tensor
+    segments: list[Segment]
+
+
+def past_pairs(selection: Selection, kv_heads: int) -> PastPairs:
+    """Sort the selected past pairs by (KV row, chunk start); one host read sizes the segments."""
+    layout = selection.layout
+    B, H, S, P = selection.past_chunks.shape
+    c = layout.chunk_size
+    device = selection.past_chunks.device
+    kv_row = (torch.arange(B, device=device)[:, None] * kv_heads
+              + torch.arange(H, device=device) // (H // kv_heads))[:, :, None, None]  # [B, H, 1, 1]
+    start = layout.doc_start[:, None, :, None] + selection.past_chunks * c  # [B, H, S, P]
+    key = (kv_row * S + start).flatten()
+    pair = selection.past_valid.flatten().nonzero().squeeze(1)
+    order = torch.argsort(key[pair], stable=True)
+    pair, sorted_key = pair[order], key[pair][order]
+    keys, counts = torch.unique_consecutive(sorted_key, return_counts=True)
+    segments, offset = [], 0
+    for key_value, count in zip(keys.tolist(), counts.tolist()):
+        segments.append(Segment(offset, count, key_value // S, key_value % S, c))
+        offset += count
+    return PastPairs(pair // P, segments)
+
+
+def own_segments(selection: Selection, heads: int, kv_heads: int) -> list[Segment]:
+    """One causal segment per (batch, query head, chunk), for layouts with documents.
+
+    ``offset`` indexes the rows of ``q.reshape(B * H * S, D)``.
+    """
     layout = selection.layout
     B, S = layout.global_chunk.shape
-    positions = torch.arange(S, device=layout.global_chunk.device).expand(B, S)
-    start = torch.full((B, layout.n_global_chunks), S, dtype=torch.long, device=positions.device)
-    start.scatter_reduce_(1, layout.global_chunk, positions, reduce="amin")
-    length = torch.zeros_like(start).scatter_add_(1, layout.global_chunk, torch.ones_like(positions))
-    return start, length
-
-
-def plan_groups(selection: Selection, H_kv: int, used: torch.Tensor, masked: bool, group_size: int) -> GroupPlan:
-    """Pack the pairs marked in ``used: [B, H, S, K]`` into groups that share a chunk."""
-    chunk, _ = selected_pairs(selection)
-    B, H, S, K = chunk.shape
-    G, c = selection.layout.n_global_chunks, selection.layout.chunk_size
-    device = chunk.device
-
-    # Each pair reads the keys of segment (b, kv head, chunk); sort pairs by segment.
-    b = torch.arange(B, device=device).view(B, 1, 1, 1)
-    kv_head = (torch.arange(H, device=device) // (H // H_kv)).view(1, H, 1, 1)
-    segment = ((b * H_kv + kv_head) * G + chunk).flatten()
-    pair = used.flatten().nonzero().squeeze(1)
-    pair = pair[torch.argsort(segment[pair], stable=True)]
-    pair_segment = segment[pair]
-
-    n_segments = B * H_kv * G
-    count = torch.bincount(pair_segment, minlength=n_segments)
-    groups_per_segment = (count + group_size - 1) // group_size
-    first_group = torch.cumsum(groups_per_segment, 0) - groups_per_segment
-    rank = torch.arange(pair.numel(), device=device) - (torch.cumsum(count, 0) - count)[pair_segment]
-    group = first_group[pair_segment] + rank // group_size
-    slot = rank % group_size
-    n_groups = int(groups_per_segment.sum())  # host sync: sizes the packed batch
-
-    query_pos = torch.full((n_groups, group_size), S, dtype=torch.long, device=device)
-    query_pos[group, slot] = pair // K % S
-    group_segment = torch.repeat_interleave(torch.arange(n_segments, device=device), groups_per_segment,
-                                            output_size=n_groups)
-    row, group_chunk = group_segment // G, group_segment % G  # row = b * H_kv + kv head
-    starts, lengths = chunk_bounds(selection)
-    offsets = torch.arange(c, device=device)
-    key_pos = starts[row // H_kv, group_chunk][:, None] + offsets  # [n_groups, c]
-    key_index = row[:, None] * S + key_pos.clamp(max=S - 1)
-    allowed = None
-    if masked:
-        key_real = offsets < lengths[row // H_kv, group_chunk][:, None]
-        allowed = key_real[:, None, :] & (key_pos[:, None, :] <= query_pos[:, :, None])
-    return GroupPlan(pair, group, slot, query_pos, key_index, allowed)
+    is_first = torch.ones_like(layout.global_chunk, dtype=torch.bool)
+    is_first[:, 1:] = layout.global_chunk[:, 1:] != layout.global_chunk[:, :-1]
+    b, start = is_first.nonzero(as_tuple=True)
+    end = torch.cat([start[1:], start.new_tensor([S])])
+    row_ends = torch.cat([b[1:] != b[:-1], torch.ones(1, dtype=torch.bool, device=b.device)])
+    end = torch.where(row_ends, S, end)
+    group = heads // kv_heads
+    segments = []
+    for b_i, s_i, e_i in zip(b.tolist(), start.tolist(), end.tolist()):
+        for h in range(heads):
+            row = b_i * heads + h
+            segments.append(Segment(row * S + s_i, e_i - s_i, b_i * kv_heads + h // group, s_i, e_i - s_i))
+    return segments
 
 
 def _fused_cpu(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
 
 
-def _additive_mask(allowed: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """The fused kernel takes a float mask in the query's dtype: 0 where allowed, -inf elsewhere."""
-    if allowed is None:
-        return None
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))[:, None]
+def _causal_mask(n: int, m: int, device) -> torch.Tensor:
+    return torch.ones(n, m, dtype=torch.bool, device=device).tril()
 
 
-def group_attention(q, k, v, allowed, scale):
-    """``q: [N, Gs, D]``, ``k, v: [N, c, D]`` -> (out ``[N, Gs, Dv]``, lse ``[N, Gs]`` fp32)."""
+def dense_attention(q, k, v, causal: bool, scale: float):
+    """``q: [N, 1, L, D]``, ``k, v: [N, 1, M, D]`` -> (out ``[N, 1, L, Dv]``, lse ``[N, 1, L]`` fp32)."""
     if _fused_cpu(q):
-        mask = _additive_mask(allowed, q.dtype)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q[:, None], k[:, None], v[:, None], 0.0, False, attn_mask=mask, scale=scale)
-        return out[:, 0], lse[:, 0].float()
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     logits = (q @ k.transpose(-1, -2)).float() * scale
-    if allowed is not None:
-        logits = logits.masked_fill(~allowed, float("-inf"))
+    if causal:
+        logits = logits.masked_fill(~_causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)
     return (torch.exp(logits - lse[..., None]).to(v.dtype) @ v), lse
 
 
-def group_attention_backward(grad_out, q, k, v, out, lse, allowed, scale):
-    """Gradients of one group batch, given the *merged* ``out`` and ``lse`` of its queries."""
+def dense_attention_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
+    """Gradients of :func:`dense_attention` given the *merged* ``out`` and ``lse`` of its queries."""
     if _fused_cpu(q):
-        mask = _additive_mask(allowed, q.dtype)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out[:, None], q[:, None], k[:, None], v[:, None], out[:, None], lse[:, None].to(out.dtype),
-            0.0, False, attn_mask=mask, scale=scale)
-        return dq[:, 0], dk[:, 0], dv[:, 0]
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
     logits = (q @ k.transpose(-1, -2)).float() * scale
-    if allowed is not None:
-        logits = logits.masked_fill(~allowed, float("-inf"))
+    if causal:
+        logits = logits.masked_fill(~_causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
     probs = torch.exp(logits - lse[..., None])
     grad_probs = grad_out.float() @ v.float().transpose(-1, -2)
     delta = (grad_out.float() * out.float()).sum(-1, keepdim=True)
@@ -160,51 +148,173 @@ def group_attention_backward(grad_out, q, k, v, out, lse, allowed, scale):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _pack_queries(x_rows: torch.Tensor, plan: GroupPlan, K: int) -> torch.Tensor:
-    """Rows ``[B * H * S, D]`` -> ``[n_groups, group_size, D]`` in the plan's packing (zeros elsewhere)."""
-    packed = x_rows.new_zeros(*plan.query_pos.shape, x_rows.shape[-1])
-    packed[plan.group, plan.slot] = x_rows[plan.pair // K]
-    return packed
+# The fused CPU backward parallelises over the batch only: a chunk's queries run as a batch
+# of blocks of this many rows against one (broadcast) copy of its keys.
+QUERY_BLOCK = 128
+
+
+def _row_blocks(n: int, block: int) -> list[tuple[int, int, int]]:
+    """``(first row, batch, rows per item)``: n rows as a batch of whole blocks plus the rest."""
+    whole = n // block * block
+    parts = [(0, n // block, block)] if whole else []
+    return parts + ([(whole, 1, n - whole)] if n > whole else [])
+
+
+def past_chunk_attention(q, k, v, scale: float, block: int = QUERY_BLOCK):
+    """``q: [n, D]`` against the whole chunk ``k, v: [c, D]`` -> (out ``[n, Dv]``, lse ``[n]`` fp32)."""
+    outs, lses = [], []
+    for first, batch, rows in _row_blocks(q.shape[0], block):
+        part = q[first:first + batch * rows].view(batch, 1, rows, -1)
+        out, lse = dense_attention(part, k.expand(batch, 1, *k.shape), v.expand(batch, 1, *v.shape), False, scale)
+        outs.append(out.reshape(batch * rows, -1))
+        lses.append(lse.reshape(-1))
+    return torch.cat(outs), torch.cat(lses)
+
+
+def past_chunk_attention_backward(grad_out, q, k, v, out, lse, scale: float, block: int = QUERY_BLOCK):
+    """Gradients ``(dq [n, D], dk [c, D], dv [c, Dv])`` of :func:`past_chunk_attention`,
+    given the merged ``out`` and ``lse`` of its queries."""
+    dqs, dk, dv = [], 0, 0
+    for first, batch, rows in _row_blocks(q.shape[0], block):
+        take = lambda x: x[first:first + batch * rows].view(batch, 1, rows, *x.shape[1:])  # noqa: E731
+        dq_p, dk_p, dv_p = dense_attention_backward(
+            take(grad_out), take(q), k.expand(batch, 1, *k.shape), v.expand(batch, 1, *v.shape),
+            take(out), take(lse), False, scale)
+        dqs.append(dq_p.reshape(batch * rows, -1))
+        dk, dv = dk + dk_p.sum((0, 1)), dv + dv_p.sum((0, 1))
+    return torch.cat(dqs), dk, dv
+
+
+def _chunk_view(x: torch.Tensor, chunk: int, group: int = 1) -> torch.Tensor:
+    """``[B, H, S, D]`` -> ``[B * H * group * n, 1, chunk, D]``, S zero-padded to ``n * chunk``,
+    heads repeated ``group`` times (GQA)."""
+    B, H, S, D = x.shape
+    n = -(-S // chunk)
+    if n * chunk != S:
+        x = F.pad(x, (0, 0, 0, n * chunk - S))
+    if group > 1:
+        x = x.repeat_interleave(group, dim=1)
+    return x.reshape(-1, 1, chunk, D)
+
+
+def _unchunk(x: torch.Tensor, B: int, H: int, S: int) -> torch.Tensor:
+    """Inverse of :func:`_chunk_view` for one group: ``[B * H * n, 1, chunk, *]`` -> ``[B, H, S, *]``."""
+    return x.reshape(B, H, -1, *x.shape[3:])[:, :, :S]
 
 
 class _GatheredMoBA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plans, K, scale):
+    def forward(ctx, q, k, v, pairs: PastPairs, own: list[Segment] | None, chunk: int, scale: float, block: int):
         B, H, S, D = q.shape
         H_kv, Dv = k.shape[1], v.shape[-1]
-        q_rows, k_rows, v_rows = q.reshape(-1, D), k.reshape(-1, D), v.reshape(-1, Dv)
-        pair_out = q.new_zeros(B * H * S * K, Dv)
-        pair_lse = torch.full((B * H * S * K,), float("-inf"), device=q.device)
-        for plan in plans:
-            out, lse = group_attention(_pack_queries(q_rows, plan, K), k_rows[plan.key_index],
-                                       v_rows[plan.key_index], plan.allowed, scale)
-            pair_out[plan.pair] = out[plan.group, plan.slot]
-            pair_lse[plan.pair] = lse[plan.group, plan.slot]
-        lse = torch.logsumexp(pair_lse.view(B, H, S, K), dim=-1)  # [B, H, S]
-        weights = torch.exp(pair_lse.view(B, H, S, K) - lse[..., None]).to(q.dtype)
-        out = (weights[..., None] * pair_out.view(B, H, S, K, Dv)).sum(3)
+        own_out, own_lse = _own_forward(q, k, v, own, chunk, scale)
+        q_rows, k_rows, v_rows = q.reshape(-1, D), k.reshape(B * H_kv, S, D), v.reshape(B * H_kv, S, Dv)
+        pair_q = q_rows[pairs.query]
+        pair_out = q.new_empty(len(pairs.query), Dv)
+        pair_lse = torch.empty(len(pairs.query), device=q.device)
+        for seg in pairs.segments:
+            rows, keys = slice(seg.offset, seg.offset + seg.count), slice(seg.start, seg.start + seg.length)
+            pair_out[rows], pair_lse[rows] = past_chunk_attention(
+                pair_q[rows], k_rows[seg.kv_row, keys], v_rows[seg.kv_row, keys], scale, block)
+        out, lse = merge_parts(own_out.reshape(-1, Dv), own_lse.flatten(), pair_out, pair_lse, pairs.query)
+        out = out.view(B, H, S, Dv)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plans, ctx.K, ctx.scale = plans, K, scale
+        ctx.pairs, ctx.own, ctx.chunk, ctx.scale, ctx.block = pairs, own, chunk, scale, block
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        D, Dv, K = q.shape[-1], v.shape[-1], ctx.K
-        q_rows, k_rows, v_rows = q.reshape(-1, D), k.reshape(-1, D), v.reshape(-1, Dv)
-        grad_rows, out_rows = grad_out.reshape(-1, Dv).contiguous(), out.reshape(-1, Dv)
-        lse_rows = lse.reshape(-1, 1)
-        dq, dk, dv = torch.zeros_like(q_rows), torch.zeros_like(k_rows), torch.zeros_like(v_rows)
-        for plan in ctx.plans:
-            query_rows = plan.pair // K
-            pack = lambda rows: _pack_queries(rows, plan, K)  # noqa: E731
-            dq_g, dk_g, dv_g = group_attention_backward(
-                pack(grad_rows), pack(q_rows), k_rows[plan.key_index], v_rows[plan.key_index],
-                pack(out_rows), pack(lse_rows)[..., 0], plan.allowed, ctx.scale)
-            dq.index_add_(0, query_rows, dq_g[plan.group, plan.slot])
-            dk.index_add_(0, plan.key_index.flatten(), dk_g.flatten(0, 1))
-            dv.index_add_(0, plan.key_index.flatten(), dv_g.flatten(0, 1))
-        return dq.view_as(q), dk.view_as(k), dv.view_as(v), None, None, None
+        B, H, S, D = q.shape
+        H_kv, Dv = k.shape[1], v.shape[-1]
+        pairs, scale = ctx.pairs, ctx.scale
+        grad_out = grad_out.contiguous()
+        dq, dk, dv = _own_backward(grad_out, q, k, v, out, lse.view(B, H, S), ctx.own, ctx.chunk, scale)
+        q_rows, k_rows, v_rows = q.reshape(-1, D), k.reshape(B * H_kv, S, D), v.reshape(B * H_kv, S, Dv)
+        dk_rows, dv_rows = dk.view(B * H_kv, S, D), dv.view(B * H_kv, S, Dv)
+        index = pairs.query
+        pair_grad, pair_q = grad_out.reshape(-1, Dv)[index], q_rows[index]
+        pair_out, pair_lse = out.reshape(-1, Dv)[index], lse[index]
+        pair_dq = torch.empty_like(pair_q)
+        for seg in pairs.segments:
+            rows, keys = slice(seg.offset, seg.offset + seg.count), slice(seg.start, seg.start + seg.length)
+            pair_dq[rows], dk_s, dv_s = past_chunk_attention_backward(
+                pair_grad[rows], pair_q[rows], k_rows[seg.kv_row, keys], v_rows[seg.kv_row, keys],
+                pair_out[rows], pair_lse[rows], scale, ctx.block)
+            dk_rows[seg.kv_row, keys] += dk_s
+            dv_rows[seg.kv_row, keys] += dv_s
+        dq.view(-1, D).index_add_(0, index, pair_dq)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _keys(k_rows, v_rows, seg: Segment):
+    """Views ``[1, 1, length, D]`` of a segment's keys and values."""
+    keys = slice(seg.start, seg.start + seg.length)
+    return k_rows[seg.kv_row, keys][None, None], v_rows[seg.kv_row, keys][None, None]
+
+
+def _own_forward(q, k, v, own: list[Segment] | None, chunk: int, scale: float):
+    """Own-chunk attention: (out ``[B, H, S, Dv]``, lse ``[B, H, S]`` fp32)."""
+    B, H, S, D = q.shape
+    H_kv, Dv = k.shape[1], v.shape[-1]
+    if own is None:
+        group = H // H_kv
+        out, lse = dense_attention(_chunk_view(q, chunk), _chunk_view(k, chunk, group), _chunk_view(v, chunk, group),
+                                   True, scale)
+        return _unchunk(out, B, H, S), _unchunk(lse, B, H, S)
+    q_rows, k_rows, v_rows = q.reshape(-1, D), k.reshape(B * H_kv, S, D), v.reshape(B * H_kv, S, Dv)
+    out = q.new_empty(B * H * S, Dv)
+    lse = torch.empty(B * H * S, device=q.device)
+    for seg in own:
+        rows = slice(seg.offset, seg.offset + seg.count)
+        o, l = dense_attention(q_rows[rows][None, None], *_keys(k_rows, v_rows, seg), True, scale)
+        out[rows], lse[rows] = o[0, 0], l[0, 0]
+    return out.view(B, H, S, Dv), lse.view(B, H, S)
+
+
+def _own_backward(grad_out, q, k, v, out, lse, own: list[Segment] | None, chunk: int, scale: float):
+    """Own-chunk gradients ``(dq, dk, dv)`` given the merged ``out`` and ``lse``."""
+    B, H, S, D = q.shape
+    H_kv, Dv = k.shape[1], v.shape[-1]
+    group = H // H_kv
+    if own is None:
+        dq, dk, dv = dense_attention_backward(
+            _chunk_view(grad_out, chunk), _chunk_view(q, chunk), _chunk_view(k, chunk, group),
+            _chunk_view(v, chunk, group), _chunk_view(out, chunk), _chunk_view(lse[..., None], chunk)[..., 0],
+            True, scale)
+        dk = _unchunk(dk, B, H, S).reshape(B, H_kv, group, S, D).sum(2)
+        dv = _unchunk(dv, B, H, S).reshape(B, H_kv, group, S, Dv).sum(2)
+        return _unchunk(dq, B, H, S).contiguous(), dk.contiguous(), dv.contiguous()
+    q_rows, k_rows, v_rows = q.reshape(-1, D), k.reshape(B * H_kv, S, D), v.reshape(B * H_kv, S, Dv)
+    g_rows, o_rows, l_rows = grad_out.reshape(-1, Dv), out.reshape(-1, Dv), lse.reshape(-1)
+    dq, dk, dv = torch.zeros_like(q_rows), torch.zeros_like(k_rows), torch.zeros_like(v_rows)
+    for seg in own:
+        rows = slice(seg.offset, seg.offset + seg.count)
+        keys = slice(seg.start, seg.start + seg.length)
+        dq_s, dk_s, dv_s = dense_attention_backward(
+            g_rows[rows][None, None], q_rows[rows][None, None], *_keys(k_rows, v_rows, seg),
+            o_rows[rows][None, None], l_rows[rows][None, None], True, scale)
+        dq[rows] = dq_s[0, 0]
+        dk[seg.kv_row, keys] += dk_s[0, 0]
+        dv[seg.kv_row, keys] += dv_s[0, 0]
+    return dq.view_as(q), dk.view_as(k), dv.view_as(v)
+
+
+def merge_parts(own_out, own_lse, pair_out, pair_lse, query):
+    """Merge each query's own part (``[N, Dv]``, ``[N]``) with its past pairs by log-sum-exp.
+
+    ``pair_out: [P, Dv]``, ``pair_lse: [P]``, ``query: [P]`` the query of each pair.
+    Returns (out ``[N, Dv]`` in own_out's dtype, lse ``[N]`` fp32).
+    """
+    peak = own_lse.scatter_reduce(0, query, pair_lse, reduce="amax")
+    peak = torch.where(torch.isfinite(peak), peak, 0.0)
+    own_weight = torch.exp(own_lse - peak)
+    pair_weight = torch.exp(pair_lse - peak[query])
+    total = own_weight.index_add(0, query, pair_weight)
+    lse = peak + torch.log(total)
+    out = own_out.float() * (own_weight / total)[:, None]
+    out.index_add_(0, query, pair_out.float() * (pair_weight / total[query])[:, None])
+    return out.to(own_out.dtype), lse
 
 
 def gather_moba_attention(
@@ -213,14 +323,14 @@ def gather_moba_attention(
     v: torch.Tensor,
     selection: Selection,
     scale: float | None = None,
-    group_size: int = DEFAULT_GROUP_SIZE,
+    query_block: int = QUERY_BLOCK,
 ) -> torch.Tensor:
-    """MoBA attention of ``q: [B, H, S, D]`` over ``k, v: [B, H_kv, S, D]`` -> ``[B, H, S, Dv]``."""
+    """MoBA attention of ``q: [B, H, S, D]`` over ``k, v: [B, H_kv, S, D]`` -> ``[B, H, S, Dv]``.
+
+    ``query_block``: a past chunk's queries run as a batch of blocks of this many rows.
+    """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     with torch.no_grad():
-        _, valid = selected_pairs(selection)
-        own = torch.zeros_like(valid)
-        own[..., -1] = True
-        plans = [plan_groups(selection, k.shape[1], used, masked, group_size)
-                 for used, masked in ((valid & ~own, False), (own, True)) if used.any()]
-    return _GatheredMoBA.apply(q, k, v, plans, valid.shape[-1], scale)
+        pairs = past_pairs(selection, k.shape[1])
+        own = own_segments(selection, q.shape[1], k.shape[1]) if selection.layout.has_documents else None
+    return _GatheredMoBA.apply(q, k, v, pairs, own, selection.layout.chunk_size, scale, query_block)

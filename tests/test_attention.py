@@ -54,9 +54,9 @@ def test_custom_scale_equals_oracle(backend, problem):
 
 
 @given(problems(), st.integers(1, 9))
-def test_gather_any_group_size_equals_oracle(problem, group_size):
+def test_gather_any_query_block_equals_oracle(problem, query_block):
     selection = select_chunks(problem.q, problem.k, **problem.kwargs)
-    got = gather_moba_attention(problem.q, problem.k, problem.v, selection, problem.scale, group_size=group_size)
+    got = gather_moba_attention(problem.q, problem.k, problem.v, selection, problem.scale, query_block=query_block)
     torch.testing.assert_close(got.double(), oracle_out(problem), atol=1e-5, rtol=1e-5)
 
 
