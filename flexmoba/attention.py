@@ -15,7 +15,8 @@ Built-in backends (all exact; see :mod:`flexmoba.backends` for the signature):
 - ``"sdpa"``: the mask made dense ``[B, H, S, S]`` for SDPA: differentiable everywhere,
   O(S^2) memory; the fastest for short sequences.
 - ``"auto"``: flex on CUDA; on CPU the fastest exact backend for the call, by the
-  crossovers measured in ``benchmarks/results/attention_cpu.md`` (see :func:`resolve_backend`).
+  crossovers measured in ``benchmarks/results/attention_cpu.md`` (see :func:`resolve_backend`):
+  gather for token granularity, flex for long tile-granularity inference.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ from flexmoba.gather import gather_moba_attention
 from flexmoba.masks import dense_moba_mask
 from flexmoba.selection import Selection, _check_selection_args, select_chunks
 
-# CPU crossovers (2-core x86, fp32, chunk 512 / top-3 and 128 / 3; benchmarks.attention):
-# below these lengths the dense-mask SDPA call beats the sparse paths.
-CPU_GATHER_MIN_FACTOR = 2  # gather once S > factor * chunk_size * top_k (with gradients)
-CPU_FLEX_MIN_SEQ = 4096  # compiled regrouped flex for inference from this length
+# CPU crossovers (2-core x86, fp32, chunk 512 / top-3; benchmarks.attention). Token
+# granularity: gather beats the regrouped flex plan (with its sink key) at every length,
+# and beats the dense-mask SDPA call once S > 2 * chunk_size * top_k. Tile granularity
+# without gradients: the union BlockMask is exactly sparse and fastest at length.
+CPU_GATHER_MIN_FACTOR = 2
+CPU_TILE_FLEX_MIN_SEQ = 4096
 
 
 def needs_grad(*tensors: torch.Tensor) -> bool:
@@ -86,9 +89,10 @@ def resolve_backend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                     chunk_size: int = 1, top_k: int = 1, granularity="token") -> str:
     """The backend ``backend`` names, with ``"auto"`` resolved for this call.
 
-    ``auto``: ``flex`` off CPU. On CPU: with gradients, ``gather`` once the sequence is
-    long enough for sparsity to pay, else ``sdpa``; without, ``flex`` from
-    ``CPU_FLEX_MIN_SEQ`` (compiled once per shape), then ``gather``, then ``sdpa``.
+    ``auto``: ``flex`` off CPU. On CPU, the fastest exact backend measured for the call:
+    tile granularity without gradients from ``CPU_TILE_FLEX_MIN_SEQ`` on, ``flex`` (compiled
+    once per shape); otherwise ``gather`` once ``S > CPU_GATHER_MIN_FACTOR * chunk_size *
+    top_k``, ``sdpa`` below.
     """
     backend = _checks.check_backend(backend)
     if backend != AUTO:
@@ -96,7 +100,7 @@ def resolve_backend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if q.device.type != "cpu":
         return "flex"
     S = q.shape[2]
-    if not needs_grad(q, k, v) and S >= CPU_FLEX_MIN_SEQ:
+    if granularity != "token" and not needs_grad(q, k, v) and S >= CPU_TILE_FLEX_MIN_SEQ:
         return "flex"
     return "gather" if S > CPU_GATHER_MIN_FACTOR * chunk_size * top_k else "sdpa"
 

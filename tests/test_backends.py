@@ -12,7 +12,7 @@ import oracle
 from conformance_cases import load_cases
 from flexmoba import backend_names, moba_attention, moba_attention_varlen, register_backend
 from flexmoba import backends as backend_table
-from flexmoba.attention import CPU_FLEX_MIN_SEQ, resolve_backend
+from flexmoba.attention import CPU_TILE_FLEX_MIN_SEQ, resolve_backend
 from flexmoba.selection import Selection
 from strategies import problems, random_inputs
 
@@ -118,24 +118,29 @@ def inputs(S, grad=False, device="cpu"):
     return q, k, v
 
 
-@pytest.mark.parametrize("S, grad, expected", [
-    (256, True, "sdpa"),                      # short: the dense mask is fastest
-    (2 * 64 * 3 + 1, True, "gather"),         # long enough for sparsity, with gradients
-    (CPU_FLEX_MIN_SEQ, True, "gather"),       # flex has no CPU backward
-    (256, False, "sdpa"),
-    (2 * 64 * 3 + 1, False, "gather"),
-    (CPU_FLEX_MIN_SEQ, False, "flex"),        # inference at length: the compiled plan
+LONG = CPU_TILE_FLEX_MIN_SEQ
+
+
+@pytest.mark.parametrize("S, grad, granularity, expected", [
+    (256, True, "token", "sdpa"),           # short: the dense mask is fastest
+    (256, False, "token", "sdpa"),
+    (2 * 64 * 3 + 1, True, "token", "gather"),  # long enough for sparsity
+    (2 * 64 * 3 + 1, False, "token", "gather"),
+    (LONG, False, "token", "gather"),       # gather beats the regrouped flex plan on CPU
+    (LONG, True, 16, "gather"),             # flex has no CPU backward
+    (LONG, False, 16, "flex"),              # tiles: the union mask is exactly sparse
+    (2 * 64 * 3 + 1, False, 16, "gather"),
 ])
-def test_auto_routing_on_cpu(S, grad, expected):
+def test_auto_routing_on_cpu(S, grad, granularity, expected):
     q, k, v = inputs(S, grad)
-    for granularity in ("token", 16):
-        assert resolve_backend("auto", q, k, v, chunk_size=64, top_k=3, granularity=granularity) == expected
+    assert resolve_backend("auto", q, k, v, chunk_size=64, top_k=3, granularity=granularity) == expected
 
 
 def test_auto_routing_without_grad_mode():
-    q, k, v = inputs(CPU_FLEX_MIN_SEQ, grad=True)
+    q, k, v = inputs(LONG, grad=True)
+    assert resolve_backend("auto", q, k, v, chunk_size=64, top_k=3, granularity=16) == "gather"
     with torch.no_grad():
-        assert resolve_backend("auto", q, k, v, chunk_size=64, top_k=3) == "flex"
+        assert resolve_backend("auto", q, k, v, chunk_size=64, top_k=3, granularity=16) == "flex"
 
 
 def test_auto_routing_off_cpu_is_flex():
