@@ -3,8 +3,10 @@
 For each S and MoBA config (chunk/top-k), times the forward, and forward+backward where
 the device allows (flex has no CPU backward), of:
 
-    moba_flex_token   MoBA, compiled flex + sparse BlockMask, token granularity (the paper)
-    moba_flex_tile    the same at tile granularity (--tile, default 128)
+    moba_flex         MoBA, token granularity (the paper), compiled flex over regrouped queries
+                      (flexmoba.flex_plan; on CPU with the sink key for the log-sum-exp)
+    moba_flex_union   the same through the union BlockMask in the original query order
+    moba_flex_tile    the union BlockMask at tile granularity (--tile, default 128): exactly sparse
     moba_sdpa         MoBA as a dense [B, H, S, S] bool mask into SDPA (skipped past --dense-max-seq)
     moba_gather       MoBA by regrouping queries per selected chunk (flexmoba.gather)
     full_flex_causal  compiled flex with a causal BlockMask built from tables
@@ -15,7 +17,8 @@ model); ``kernel`` is the attention alone with the mask/selection prebuilt; ``bu
 the gating + mask alone. The causal flex mask is static, so it is built once, outside the
 timing. speedup = sdpa_causal time / time. FLOP ideal = causal (query, key) pairs / pairs
 MoBA attends, from the real selection. achieved = forward speedup / ideal. Block density
-= blocks the flex kernel visits / causal blocks. Peak memory: extra memory during one call
+= blocks the flex kernel visits / causal blocks; visited/attended = (query, key) pairs in
+those blocks / pairs MoBA attends (1.0 is perfectly sparse; the sink key's block excluded). Peak memory: extra memory during one call
 over what was live before it (CUDA: max_memory_allocated; CPU Linux: resident memory high
 -water mark, VmHWM, reset through /proc/self/clear_refs, with glibc told to map and unmap
 every allocation >= 1 MiB during that call so that freed memory is not silently reused).
@@ -44,12 +47,13 @@ from benchmarks.checkpoint_inputs import LOCALITY_COLUMNS, capture_qkv, load_mod
 from benchmarks.common import markdown_table, median_seconds, write_report
 from benchmarks.mask_build import block_density
 from flexmoba import compiled_flex_attention, moba_attention, select_chunks, selection_block_mask
-from flexmoba.attention import flex_moba_attention
 from flexmoba.block_mask import key_intervals
+from flexmoba.flex_plan import plan_from_selection
 from flexmoba.gather import gather_moba_attention
 from flexmoba.masks import dense_moba_mask
 
-METHODS = ("sdpa_causal", "full_flex_causal", "moba_flex_token", "moba_flex_tile", "moba_sdpa", "moba_gather")
+METHODS = ("sdpa_causal", "full_flex_causal", "moba_flex", "moba_flex_union", "moba_flex_tile", "moba_sdpa",
+           "moba_gather")
 BASELINES = ("sdpa_causal", "full_flex_causal")
 CPU_SEQ_LENS = [2048, 4096, 8192, 16384, 32768]
 CUDA_SEQ_LENS = [4096, 16384, 65536, 131072, 262144]
@@ -60,7 +64,7 @@ COLUMNS = [
     ("fwd_ms", "fwd (ms)"), ("kernel_ms", "kernel (ms)"), ("build_ms", "build (ms)"),
     ("fwd_bwd_ms", "fwd+bwd (ms)"), ("speedup_fwd", "speedup fwd"), ("speedup_kernel", "speedup kernel"),
     ("speedup_fwd_bwd", "speedup fwd+bwd"), ("flop_ideal", "FLOP ideal"), ("achieved", "achieved"),
-    ("block_density", "block density"), ("peak_fwd_mb", "peak fwd (MB)"), ("peak_fwd_bwd_mb", "peak fwd+bwd (MB)"),
+    ("block_density", "block density"), ("visited_ratio", "visited/attended"), ("peak_fwd_mb", "peak fwd (MB)"), ("peak_fwd_bwd_mb", "peak fwd+bwd (MB)"),
     ("note", "note"),
 ]
 
@@ -89,6 +93,7 @@ class Runner:
     backward_ok: bool
     block_mask: BlockMask | None = None
     selection: object = None
+    visited: int | None = None  # (query, key) pairs in the blocks a flex kernel visits
 
 
 # -- masks and FLOPs ------------------------------------------------------------------------
@@ -111,12 +116,22 @@ def causal_block_mask(seq_len: int, device, block: int = BLOCK) -> BlockMask:
                                     mask_mod=causal_mask_mod, seq_lengths=(seq_len, seq_len))
 
 
+def attended_pairs(selection) -> int:
+    starts, ends = key_intervals(selection)
+    return int((ends - starts).clamp(min=0).sum())
+
+
 def flop_ideal(selection, seq_len: int) -> float:
     """Causal (query, key) pairs / pairs the selection attends, over all batches and heads."""
-    starts, ends = key_intervals(selection)
-    attended = (ends - starts).clamp(min=0).sum().item()
     B, H = selection.chunks.shape[:2]
-    return B * H * seq_len * (seq_len + 1) / 2 / attended
+    return B * H * seq_len * (seq_len + 1) / 2 / attended_pairs(selection)
+
+
+def union_visited_area(block_mask: BlockMask, heads: int) -> int:
+    """(query, key) pairs in the blocks a union mask visits, over all batches and heads."""
+    Bq, Bk = block_mask.BLOCK_SIZE
+    blocks = block_mask.kv_num_blocks.sum() + block_mask.full_kv_num_blocks.sum()
+    return int(blocks) * Bq * Bk * (heads if block_mask.kv_num_blocks.shape[1] == 1 else 1)
 
 
 # -- runners --------------------------------------------------------------------------------
@@ -143,17 +158,25 @@ def baseline_runner(case: Case) -> Runner:
                   backward_ok=q.device.type == "cuda", block_mask=mask)
 
 
+MOBA_BACKENDS = {"moba_flex": "flex", "moba_flex_union": "flex_union", "moba_flex_tile": "flex",
+                 "moba_sdpa": "sdpa", "moba_gather": "gather"}
+
+
 def moba_runner(case: Case) -> Runner:
     q, k, v = case.q, case.k, case.v
     granularity = case.tile if case.method == "moba_flex_tile" else "token"
-    backend = {"moba_flex_token": "flex", "moba_flex_tile": "flex", "moba_sdpa": "sdpa", "moba_gather": "gather"}[case.method]
+    backend = MOBA_BACKENDS[case.method]
     kw = dict(chunk_size=case.chunk_size, top_k=case.top_k, granularity=granularity)
     gqa = q.shape[1] != k.shape[1]
+    scale = q.shape[-1] ** -0.5
+    regrouped = case.method == "moba_flex"
 
     def build():
         selection = select_chunks(q, k, **kw)
-        if backend == "flex":
-            return selection_block_mask(selection, BLOCK)
+        if regrouped:
+            return plan_from_selection(selection, k.shape[1], block_size=BLOCK, sink=q.device.type == "cpu")
+        if backend.startswith("flex"):
+            return selection_block_mask(selection, BLOCK, compute_q_blocks=False)
         return dense_moba_mask(selection) if backend == "sdpa" else selection
 
     def forward(q, k, v):
@@ -161,13 +184,22 @@ def moba_runner(case: Case) -> Runner:
 
     selection = select_chunks(q, k, **kw)
     state = build()
-    kernels = {
-        "flex": lambda: flex_moba_attention(q, k, v, state),
-        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=state, enable_gqa=gqa),
-        "gather": lambda: gather_moba_attention(q, k, v, state),
-    }
-    return Runner(forward, kernels[backend], build, backward_ok=backend != "flex" or q.device.type == "cuda",
-                  block_mask=state if backend == "flex" else None, selection=selection)
+    if regrouped:
+        kernel = lambda: state.attention(q, k, v, scale=scale)  # noqa: E731
+    elif backend.startswith("flex"):
+        kernel = lambda: compiled_flex_attention()(q, k, v, block_mask=state, scale=scale, enable_gqa=gqa)  # noqa: E731
+    elif backend == "sdpa":
+        kernel = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=state, enable_gqa=gqa)  # noqa: E731
+    else:
+        kernel = lambda: gather_moba_attention(q, k, v, state)  # noqa: E731
+    block_mask = state.block_mask if regrouped else state if backend.startswith("flex") else None
+    runner = Runner(forward, kernel, build, backward_ok=not backend.startswith("flex") or q.device.type == "cuda",
+                    block_mask=block_mask, selection=selection)
+    if regrouped:
+        runner.visited = state.visited_area()
+    elif block_mask is not None:
+        runner.visited = union_visited_area(block_mask, q.shape[1])
+    return runner
 
 
 # -- measuring ------------------------------------------------------------------------------
@@ -251,8 +283,10 @@ def measure(case: Case, args, want_backward: bool) -> dict:
         if runner.build is not None:
             row["build_ms"] = 1e3 * median_seconds(runner.build, args.repeats)
         row["peak_fwd_mb"] = peak_extra_mb(lambda: runner.forward(case.q, case.k, case.v), device)
-    if runner.block_mask is not None:
+    if runner.block_mask is not None and case.method != "moba_flex":
         row["block_density"] = block_density(runner.block_mask, case.q.shape[2])
+    if runner.visited is not None and runner.selection is not None:
+        row["visited_ratio"] = runner.visited / attended_pairs(runner.selection)
     if runner.selection is not None:
         row["flop_ideal"] = flop_ideal(runner.selection, case.q.shape[2])
     if want_backward and runner.backward_ok:
