@@ -378,6 +378,8 @@ def _moba_rows(q, keys, values, sums: ChunkKeySums, top_k: int, scale: float, pa
     S_new, T, c = q.shape[2], keys.shape[2], sums.chunk_size
     if path == "auto":
         path = _auto_path(q, keys, values, sums, S_new)
+    elif path == "blocks" and not q.dtype == values.dtype == torch.float32:
+        raise TypeError(f"path='blocks' needs float32 q, keys and values, got {q.dtype}; use path='gather'")
     q_pos = T - S_new + torch.arange(S_new, device=q.device)  # [S_new]
     q_local = q_pos[None, :] - sums.start[:, None]  # [B, S_new]
     own = q_local.clamp(min=0) // c  # [B, S_new]
