@@ -192,30 +192,34 @@ def test_only_runs_matter_not_the_labels(problem):
 # -- low precision: chunk means rounded through the key dtype, as the official gate does ---
 
 
+@pytest.mark.parametrize("lead", [0, 3], ids=["one_document", "after_a_document"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_gate_rounds_chunk_means_through_the_key_dtype(dtype):
+def test_low_precision_gate_rounds_chunk_means_through_the_key_dtype(dtype, lead):
     """Two past chunks whose order flips when their means are rounded to k's dtype.
 
     With ``eps`` the dtype's spacing at 1 and the query ``(1, 0.875)``: chunk A's exact mean
     ``(1 + 0.6 eps, 1)`` rounds to ``(1 + eps, 1)``, chunk B's ``(1, 1 + 0.8 eps)`` to
     ``(1, 1 + eps)``. Exact scores put B first (0.7 eps > 0.6 eps), rounded ones A (eps > 0.875 eps).
-    The official gate rounds, so the query must pick A.
+    The official gate rounds, so the query must pick A. ``lead``: tokens of an earlier
+    document before the three chunks (chunk means are then pooled per document).
     """
     eps, c = torch.finfo(dtype).eps, 5
-    k = torch.zeros(1, 1, 3 * c, 4)
-    k[0, 0, :2 * c, :2] = 1.0
-    k[0, 0, :3, 0] += eps  # chunk A (positions 0..4): 3 of 5 keys nudged in dim 0
-    k[0, 0, c:c + 4, 1] += eps  # chunk B (positions 5..9): 4 of 5 keys nudged in dim 1
-    k[0, 0, 2 * c:] = torch.randn(c, 4)  # own chunk, never scored
-    q = torch.zeros(1, 1, 3 * c, 4)
+    S = lead + 3 * c
+    k = torch.randn(1, 1, S, 4)  # the leading document and the own chunk: never scored
+    k[0, 0, lead:lead + 2 * c] = 0.0
+    k[0, 0, lead:lead + 2 * c, :2] = 1.0
+    k[0, 0, lead:lead + 3, 0] += eps  # chunk A: 3 of 5 keys nudged in dim 0
+    k[0, 0, lead + c:lead + c + 4, 1] += eps  # chunk B: 4 of 5 keys nudged in dim 1
+    q = torch.zeros(1, 1, S, 4)
     q[..., 0], q[..., 1] = 1.0, 0.875
     q, k = q.to(dtype), k.to(dtype)
-    kw = dict(chunk_size=c, top_k=2)
+    ids = torch.tensor([[7] * lead + [3] * 3 * c]) if lead else None
+    kw = dict(chunk_size=c, top_k=2, document_ids=ids)
     official = oracle.dense_mask(q, k, **kw)
     exact = oracle.dense_mask(q, k, **kw, round_means=False)
-    last = slice(2 * c, 3 * c)
-    assert official[0, 0, last, :c].all() and not official[0, 0, last, c:2 * c].any(), "the input picks A"
-    assert exact[0, 0, last, c:2 * c].all(), "unrounded means would pick B"
+    last, A, B = (slice(lead + i * c, lead + (i + 1) * c) for i in (2, 0, 1))
+    assert official[0, 0, last, A].all() and not official[0, 0, last, B].any(), "the input picks A"
+    assert exact[0, 0, last, B].all(), "unrounded means would pick B"
     assert torch.equal(dense_moba_mask(select_chunks(q, k, **kw)), official)
 
 
