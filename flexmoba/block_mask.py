@@ -19,6 +19,9 @@ no ``S x S`` tensor, no Python loop over positions, no host sync.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
@@ -45,29 +48,42 @@ def key_intervals(selection: Selection) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([past_start, own_start], -1), torch.cat([past_end, own_end], -1)
 
 
-def attended_pairs(starts: torch.Tensor, ends: torch.Tensor, block_size: tuple[int, int],
-                   kv_len: int | None = None) -> torch.Tensor:
-    """``[B, H, Sq, K]`` disjoint-per-query intervals -> ``[B, H, Sq/Bq, kv_len/Bk]`` int64 pair counts.
+@dataclass(frozen=True)
+class QueryRows:
+    """Interval rows that each stand for ``weight`` consecutive queries from ``position``
+    (all inside one query block), out of ``q_len`` queries."""
 
-    ``kv_len`` defaults to ``Sq`` (queries and keys are the same positions).
+    q_len: int
+    position: torch.Tensor  # [R]
+    weight: torch.Tensor  # [R]
+
+
+def attended_pairs(starts: torch.Tensor, ends: torch.Tensor, block_size: tuple[int, int],
+                   kv_len: int | None = None, rows: QueryRows | None = None) -> torch.Tensor:
+    """``[B, H, R, K]`` disjoint-per-row intervals -> ``[B, H, Sq/Bq, kv_len/Bk]`` int64 pair counts.
+
+    By default row r is query r (``Sq = R``); ``rows`` lets one row stand for several
+    queries. ``kv_len`` defaults to ``Sq`` (queries and keys are the same positions).
     """
     Bq, Bk = block_size
-    B, H, S, K = starts.shape
-    n_tiles, n_blocks = -(-S // Bq), -(-(S if kv_len is None else kv_len) // Bk)
-    width = n_blocks + 1  # one spare column for the difference array
+    B, H, R, K = starts.shape
     device = starts.device
+    if rows is None:
+        rows = QueryRows(R, torch.arange(R, device=device), torch.ones(R, dtype=torch.long, device=device))
+    n_tiles, n_blocks = -(-rows.q_len // Bq), -(-(rows.q_len if kv_len is None else kv_len) // Bk)
+    width = n_blocks + 1  # one spare column for the difference array
 
-    tile = torch.arange(S, device=device) // Bq
     head_row = torch.arange(B * H, device=device).view(B, H, 1) * n_tiles
-    row = ((head_row + tile) * width)[..., None]  # [B, H, S, 1]: flat offset of (b, h, tile, 0)
+    row = ((head_row + rows.position // Bq) * width)[..., None]  # [B, H, R, 1]: flat offset of (b, h, tile, 0)
+    weight = rows.weight[:, None]
 
     nonempty = ends > starts
     first_block = starts // Bk
     last_block = (ends - 1).clamp(min=0) // Bk
     one_block = first_block == last_block
-    first_len = torch.where(one_block, ends - starts, (first_block + 1) * Bk - starts) * nonempty
-    last_len = torch.where(one_block, 0, ends - last_block * Bk) * nonempty
-    spans = (~one_block & nonempty).long()  # blocks strictly inside get Bk each
+    first_len = torch.where(one_block, ends - starts, (first_block + 1) * Bk - starts) * nonempty * weight
+    last_len = torch.where(one_block, 0, ends - last_block * Bk) * nonempty * weight
+    spans = (~one_block & nonempty).long() * weight  # blocks strictly inside get Bk each
 
     lengths = torch.zeros(B * H * n_tiles * width, dtype=torch.long, device=device)
     lengths.index_add_(0, (row + first_block).flatten(), first_len.flatten())
@@ -84,29 +100,57 @@ def attended_pairs(starts: torch.Tensor, ends: torch.Tensor, block_size: tuple[i
 def _ordered_table(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, H, T, N]`` bool -> (count ``[B, H, T]``, indices ``[B, H, T, N]``), both int32.
 
-    The listed blocks come first, in increasing order; the rest pad the row.
+    The listed blocks come first, in increasing order; zeros pad the row.
     """
+    N = blocks.shape[-1]
     count = blocks.sum(-1, dtype=torch.int32)
-    indices = torch.argsort((~blocks).to(torch.uint8), dim=-1, stable=True).to(torch.int32)
-    return count, indices
+    slot = torch.where(blocks, blocks.cumsum(-1, dtype=torch.int32) - 1, N)  # unlisted: a spare column
+    indices = torch.zeros(*blocks.shape[:-1], N + 1, dtype=torch.int32, device=blocks.device)
+    indices.scatter_(-1, slot.long(), torch.arange(N, dtype=torch.int32, device=blocks.device).expand_as(slot))
+    return count, indices[..., :N].contiguous()
 
 
 def interval_block_tables(starts: torch.Tensor, ends: torch.Tensor, block_size: tuple[int, int], kv_len: int):
     """``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)`` of queries that
     attend the disjoint key intervals ``[starts, ends)``, each ``[B, H, Sq, K]``."""
-    Bq, Bk = block_size
     pairs = attended_pairs(starts, ends, block_size, kv_len)
-    tile_len = torch.bincount(torch.arange(starts.shape[2], device=pairs.device) // Bq)
+    return tables_from_pairs(pairs, block_size, starts.shape[2], kv_len)
+
+
+def tables_from_pairs(pairs: torch.Tensor, block_size: tuple[int, int], q_len: int, kv_len: int):
+    """Pair counts ``[B, H, T, N]`` -> the four block tables: full where every pair is attended."""
+    Bq, Bk = block_size
+    tile_len = torch.bincount(torch.arange(q_len, device=pairs.device) // Bq)
     block_len = torch.bincount(torch.arange(kv_len, device=pairs.device) // Bk)
     full = pairs == tile_len[:, None] * block_len[None, :]
     partial = (pairs > 0) & ~full
     return (*_ordered_table(partial), *_ordered_table(full))
 
 
+def tile_attended_pairs(selection: Selection, block_size: tuple[int, int]) -> torch.Tensor:
+    """:func:`attended_pairs` of a tile-granularity selection without documents, counted per
+    tile: every query of a tile attends the same past chunks, and own chunks do not depend
+    on the head."""
+    layout = selection.layout
+    B, H, S, _ = selection.chunks.shape
+    piece = math.gcd(selection.granularity, block_size[0])  # inside one tile and one query block
+    position = torch.arange(0, S, piece, device=layout.chunk_start.device)
+    rows = QueryRows(S, position, (S - position).clamp(max=piece))
+    valid = selection.past_valid[:, :, ::piece]
+    past_start = torch.where(valid, selection.past_chunks[:, :, ::piece] * layout.chunk_size, 0)
+    past_end = torch.where(valid, past_start + layout.chunk_size, 0)
+    past = attended_pairs(past_start, past_end, block_size, S, rows)
+    own_start = layout.chunk_start[:, None, :, None]  # [B, 1, S, 1]: the same for every head
+    own_end = torch.arange(1, S + 1, device=own_start.device)[:, None].expand_as(own_start)
+    return past + attended_pairs(own_start, own_end, block_size, S)
+
+
 def block_tables(selection: Selection, block_size: tuple[int, int]):
     """``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)`` for the selection."""
     S = selection.chunks.shape[2]
-    return interval_block_tables(*key_intervals(selection), block_size, S)
+    if selection.granularity == "token" or selection.layout.has_documents:
+        return interval_block_tables(*key_intervals(selection), block_size, S)
+    return tables_from_pairs(tile_attended_pairs(selection, block_size), block_size, S, S)
 
 
 def selection_block_mask(

@@ -69,7 +69,8 @@ def _window_means(x: torch.Tensor, window: int) -> torch.Tensor:
     """``[B, H, S, D]`` -> ``[B, H, ceil(S / window), D]`` fp32 means of consecutive windows."""
     B, H, S, D = x.shape
     n = -(-S // window)
-    sums = F.pad(x.float(), (0, 0, 0, n * window - S)).view(B, H, n, window, D).sum(3)
+    x = x.float() if n * window == S else F.pad(x.float(), (0, 0, 0, n * window - S))
+    sums = x.view(B, H, n, window, D).sum(3)
     counts = torch.full((n, 1), float(window), device=x.device)
     counts[-1] = S - (n - 1) * window
     return sums / counts
