@@ -126,9 +126,8 @@ class MoBAFlexPlan:
         index = self.rows.reshape(B, H_kv, -1)
         slot_lse = lse.gather(2, index).view(B, H, S, K).masked_fill(~self.valid, float("-inf"))
         slot_out = out.gather(2, index[..., None].expand(-1, -1, -1, Dv)).view(B, H, S, K, Dv)
-        total = torch.logsumexp(slot_lse, dim=-1, keepdim=True)
-        weights = torch.exp(slot_lse - total).to(out.dtype)
-        return (weights[..., None] * slot_out).sum(3)
+        weights = torch.softmax(slot_lse, dim=-1)  # exp(slot_lse - logsumexp(slot_lse))
+        return (weights[..., None] * slot_out.float()).sum(3).to(out.dtype)
 
 
 def virtual_lengths(heads_per_kv: int, seq_len: int, chunk_size: int, top_k: int, block_q: int) -> tuple[int, int]:
