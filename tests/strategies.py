@@ -276,5 +276,6 @@ def flex_problems(draw):
     top_k = draw(st.integers(1, -(-S // chunk_size) + 1))
     granularity = draw(st.sampled_from(["token", "token", 4, chunk_size]))
     q, k, v = random_inputs(draw(st.integers(0, 2**31 - 1)), B, H, H_kv, S, D)
-    scale = draw(st.none() | scales)
+    # Two scales only: the compiled kernel specialises on the scale, so each new one recompiles.
+    scale = draw(st.sampled_from([None, None, 0.3]))
     return Problem(q, k, v, chunk_size, top_k, granularity, draw(document_ids(B, S)), scale)
