@@ -19,9 +19,7 @@ How the selected keys are read (``path``; ``"auto"`` picks):
   each chunk's keys transposed, ``[D, chunk_size]``, so a query's logits against a chunk are
   one weighted sum of D rows, and its output one weighted sum of value rows:
   ``embedding_bag`` computes both straight from the buffers, with no gathered copy of the
-  keys or values. A single new query's own chunk lies in the last ``chunk_size`` keys, which
-  the query heads of a KV group read together in one product. Costs one extra copy of the
-  keys in memory.
+  keys or values. Costs one extra copy of the keys in memory.
 - ``"gather"``: gathers each query's selected keys and values (fp32 softmax); any dtype.
 - ``"mask"`` (chunked prefill, many queries): one ``[S_new, T]`` mask for SDPA.
 
@@ -34,6 +32,8 @@ Shapes: ``q: [B, H, S_new, D]``; keys, values ``[B, H_kv, T, D]``, ``H % H_kv ==
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -241,8 +241,13 @@ def select_past_chunks(q: torch.Tensor, means: torch.Tensor, own: torch.Tensor, 
     """MoBA's gate over the cached chunks: ``q: [B, H, S_new, D]``, ``means: [B, H_kv, N, D]``,
     ``own: [B, S_new]`` -> ``(chunks, valid)``, each ``[B, H, S_new, P]``.
     """
+    B, H, S_new, D = q.shape
+    H_kv, N = means.shape[1], means.shape[2]
     with torch.no_grad():
-        scores = scores_against_means(q.detach().float(), means)
+        # Each KV group's queries as the rows of one KV head: one product per KV head, where
+        # [B, H, S_new, D] rows would broadcast the means over the group (a copy per head).
+        rows = q.detach().float().reshape(B, H_kv, H // H_kv * S_new, D)
+        scores = scores_against_means(rows, means).view(B, H, S_new, N)
         return selection.select_past_chunks(scores, own, top_k)
 
 
@@ -258,7 +263,14 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     return table, steps
 
 
-def _kv_head(B: int, H: int, H_kv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+@functools.lru_cache(maxsize=64)
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """``torch.arange(n)``, made once per size and device: decode steps reuse the same few."""
+    return torch.arange(n, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def _kv_head(B: int, H: int, H_kv: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(batch [B, 1, 1, 1], kv head of each query head [1, H, 1, 1])`` for index arithmetic."""
     batch = torch.arange(B, device=device).view(B, 1, 1, 1)
     kv_head = (torch.arange(H, device=device) // (H // H_kv)).view(1, H, 1, 1)
@@ -412,81 +424,33 @@ def _slots(own, past, valid):
 def _blocks_selected(q, keys, values, sums: ChunkKeySums, q_local, own, past, valid, scale):
     """Logits from the transposed key blocks and outputs from the value rows, by ``embedding_bag``.
 
-    ``q_local: [B, S_new]`` positions from each row's start -> ``[B, H, S_new, Dv]``. A
-    single new query reads its own chunk (the last keys, shared by a KV group) by
-    :func:`_own_window` instead of one bag per head.
+    ``q_local: [B, S_new]`` positions from each row's start -> ``[B, H, S_new, Dv]``.
     """
     B, H, S_new, _ = q.shape
     c = sums.chunk_size
-    if S_new == 1:
-        chunks, last, window = past, torch.where(valid, c - 1, -1), _own_window(q, keys, values, sums, own, scale)
-    else:  # the own chunk is the last slot, cut at each query
-        chunks, used = _slots(own, past, valid)
-        last, window = torch.where(used, c - 1, -1), None
-        last[..., -1] = (q_local - own * c)[:, None, :]
-    # [B, H, S_new, K, c]: slot offsets up to ``last`` are attended
-    allowed = torch.arange(c, device=q.device) <= last[..., None]
+    chunks, used = _slots(own, past, valid)  # [B, H, S_new, K]
+    # Past slots are all or nothing; the own chunk (last slot) is cut at the query.
+    last = torch.where(used, c - 1, -1)
+    last[..., -1] = (q_local - own * c)[:, None, :]
+    allowed = _arange(c, q.device) <= last[..., None]  # [B, H, S_new, K, c]
     L = allowed.shape[-2] * c
-    logits = q.new_empty(B, H, S_new, 0, dtype=torch.float32)
-    if L:  # no bags when a lone query has no past chunk (top_k = 1 or its first chunk)
-        logits = _block_logits(q, sums.key_blocks(keys), chunks, scale).view(allowed.shape)
-        logits = torch.where(allowed, logits, float("-inf")).view(B, H, S_new, L)
-    if window is None and sums.padded:  # a padding query attends only itself: slot 0, its own row below
+    logits = _block_logits(q, sums.key_blocks(keys), chunks, scale).view(allowed.shape)
+    logits = torch.where(allowed, logits, float("-inf")).view(B, H, S_new, L)
+    if sums.padded:  # a padding query attends only itself: slot 0, its own row below
         logits[..., 0] = logits[..., 0].masked_fill((q_local < 0)[:, None, :], 0.0)
-    if window is not None:
-        logits = torch.cat([logits, window[0]], dim=-1)
     probs = logits.softmax(dim=-1)
-    out = _bag_values(values, probs[..., :L], sums.start, q_local, chunks, allowed) if L else 0
-    if window is not None:
-        out = out + _window_values(probs[..., L:], window[1])
-    return out.to(q.dtype)
 
-
-def _bag_values(values, probs, start, q_local, chunks, allowed):
-    """``sum_l probs[l] * v[position l]`` over the slots' rows of ``values: [B, H_kv, T, Dv]``:
-    ``probs: [B, H, S_new, K * c]``, ``chunks: [B, H, S_new, K]`` -> ``[B, H, S_new, Dv]`` fp32."""
-    B, H, S_new, L = probs.shape
-    c = allowed.shape[-1]
     table, steps = _rows(values)
-    batch, kv_head = _kv_head(B, H, values.shape[1], probs.device)
-    row = batch * steps[0] + kv_head * steps[1]  # [B, H, 1, 1]
-    own_row = row[..., 0] + (start[:, None] + q_local)[:, None, :] * steps[2]  # [B, H, S_new]
-    first = row + (start[:, None, None, None] + chunks * c) * steps[2]  # [B, H, S_new, K]
-    index = first[..., None] + torch.arange(c, device=probs.device) * steps[2]
+    batch, kv_head = _kv_head(B, H, values.shape[1], q.device)
+    row0 = batch * steps[0] + kv_head * steps[1] + sums.start.view(B, 1, 1, 1) * steps[2]  # local position 0
+    own_row = row0[..., 0] + q_local[:, None, :] * steps[2]  # [B, H, S_new]
+    first = row0 + chunks * (c * steps[2])  # [B, H, S_new, K]
+    index = first[..., None] + _arange(c, q.device) * steps[2]
     # Masked-out slots read the query's own row (weight 0): a key it attends anyway, so a
     # non-finite value there cannot reach the output through 0 * inf.
     index = torch.where(allowed, index, own_row[..., None, None]).view(-1, L)
-    out = F.embedding_bag(index, table, per_sample_weights=probs.reshape(-1, L), mode="sum")
-    return out.view(B, H, S_new, -1)
-
-
-def _own_window(q, keys, values, sums: ChunkKeySums, own, scale):
-    """The own chunks of one new query per row, all inside the last ``W <= chunk_size`` keys.
-
-    Returns ``(logits [B, H, 1, W] fp32, values [B, H_kv, W, Dv])``: the heads of a KV group
-    score the window in one product; keys before a row's own chunk (and its padding) are
-    masked out, and their values zeroed, so that no 0 * inf reaches the output.
-    """
-    B, H, _, D = q.shape
-    H_kv, T, c = keys.shape[1], keys.shape[2], sums.chunk_size
-    # First position of each row's own chunk (a row still all padding: the query itself).
-    firsts = [s + (T - 1 - s) // c * c if s <= T - 1 else T - 1 for s in sums.start_list]
-    W = T - min(firsts)
-    k_win, v_win = keys[:, :, T - W:], values[:, :, T - W:]
-    logits = (q.reshape(B, H_kv, H // H_kv, D).float() @ k_win.float().transpose(-1, -2)) * scale
-    if len(set(firsts)) > 1:  # rows differ: mask each row's keys before its own chunk
-        first = torch.where(sums.start <= T - 1, sums.start + own[:, 0] * c, T - 1)  # [B], like firsts
-        real = (T - W + torch.arange(W, device=q.device))[None, :] >= first[:, None]  # [B, W]
-        logits = torch.where(real[:, None, None, :], logits, float("-inf"))
-        v_win = v_win.masked_fill(~real[:, None, :, None], 0)
-    return logits.view(B, H, 1, W), v_win
-
-
-def _window_values(probs, v_win):
-    """``probs: [B, H, 1, W]`` @ ``v_win: [B, H_kv, W, Dv]`` by KV group -> ``[B, H, 1, Dv]``."""
-    B, H, _, W = probs.shape
-    H_kv = v_win.shape[1]
-    return (probs.reshape(B, H_kv, H // H_kv, W) @ v_win.float()).view(B, H, 1, -1)
+    out = F.embedding_bag(index, table, per_sample_weights=probs.view(-1, L), mode="sum")
+    return out.view(B, H, S_new, -1).to(q.dtype)
 
 
 def _block_logits(q, blocks, chunks, scale):
@@ -501,9 +465,8 @@ def _block_logits(q, blocks, chunks, scale):
     H_kv, N, c = blocks.shape[1], blocks.shape[2], blocks.shape[-1]
     g, K = H // H_kv, chunks.shape[-1]
     by_group = chunks.view(B, H_kv, g, S_new, K).permute(0, 1, 3, 4, 2).contiguous()  # [B, H_kv, S_new, K, g]
-    kv_row = torch.arange(B * H_kv, device=q.device).view(B, H_kv, 1, 1, 1)
-    first = (kv_row * N + by_group) * D
-    index = (first[..., None] + torch.arange(D, device=q.device)).view(-1, D)
+    first = (by_group + _arange(B * H_kv, q.device).view(B, H_kv, 1, 1, 1) * N) * D
+    index = (first[..., None] + _arange(D, q.device)).view(-1, D)
     weights = (q.float() * scale).view(B, H_kv, g, S_new, 1, D).permute(0, 1, 3, 4, 2, 5)
     weights = weights.expand(B, H_kv, S_new, K, g, D).reshape(-1, D)
     logits = F.embedding_bag(index, blocks.view(-1, c), per_sample_weights=weights, mode="sum")
