@@ -113,7 +113,7 @@ def scores_against_means(rows: torch.Tensor, means: torch.Tensor) -> torch.Tenso
     """
     B, H, R, D = rows.shape
     H_kv, N = means.shape[1], means.shape[2]
-    scores = rows.view(B, H_kv, H // H_kv, R, D) @ means[:, :, None].transpose(-1, -2)
+    scores = rows.reshape(B, H_kv, (H // H_kv) * R, D) @ means.transpose(-1, -2)  # one product per KV head
     return scores.view(B, H, R, N)
 
 
