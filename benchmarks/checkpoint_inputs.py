@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from flexmoba.model import GPT, ModelConfig, capture_attention_inputs
-from flexmoba.selection import select_chunks
+from flexmoba.gate import select_chunks
 
 DISTANCE_BINS = [(1, 1), (2, 2), (3, 3), (4, 4), (5, 8), (9, 16), (17, 32), (33, None)]
 

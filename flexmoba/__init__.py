@@ -11,7 +11,7 @@ from flexmoba.decode import MoBAKVCache, moba_decode_attention
 from flexmoba.flex_plan import MoBAFlexPlan, moba_flex_plan
 from flexmoba.masks import dense_moba_mask, moba_mask_mod
 from flexmoba.reference import moba_reference
-from flexmoba.selection import Selection, moba_selection, select_chunks
+from flexmoba.gate import Selection, moba_selection, select_chunks
 from flexmoba.varlen import moba_attention_varlen
 
 __all__ = [

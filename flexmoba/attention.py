@@ -24,14 +24,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flexmoba import _checks
+from flexmoba import validation
 from flexmoba.backends import AUTO, get_backend, register_backend
 from flexmoba.block_mask import selection_block_mask
 from flexmoba.compiled_flex import compiled_flex_attention
 from flexmoba.flex_plan import plan_from_selection
 from flexmoba.gather import gather_moba_attention
 from flexmoba.masks import dense_moba_mask
-from flexmoba.selection import Selection, _check_selection_args, select_chunks
+from flexmoba.gate import Selection, select_chunks
 
 # CPU crossovers (2-core x86, fp32, chunk 512 / top-3; benchmarks.attention). Token
 # granularity: gather beats the regrouped flex plan (with its sink key) at every length,
@@ -94,7 +94,7 @@ def resolve_backend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     once per shape); otherwise ``gather`` once ``S > CPU_GATHER_MIN_FACTOR * chunk_size *
     top_k``, ``sdpa`` below.
     """
-    backend = _checks.check_backend(backend)
+    backend = validation.check_backend(backend)
     if backend != AUTO:
         return backend
     if q.device.type != "cpu":
@@ -132,12 +132,12 @@ def moba_attention(
     Returns:
         ``[B, H, S, Dv]`` in q's dtype.
     """
-    chunk_size, top_k, granularity = _check_selection_args(q, k, chunk_size, top_k, granularity, document_ids)
-    _checks.check_qkv(q, k, v)
-    scale = _checks.check_scale(scale)
+    validation.check_qkv(q, k, v)
+    scale = validation.check_scale(scale)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    backend = resolve_backend(backend, q, k, v, chunk_size, top_k, granularity)
+    validation.check_backend(backend)
     selection = select_chunks(
         q, k, chunk_size=chunk_size, top_k=top_k, granularity=granularity, document_ids=document_ids
     )
+    backend = resolve_backend(backend, q, k, v, selection.layout.chunk_size, top_k, selection.granularity)
     return get_backend(backend)(q, k, v, selection, scale)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 if TYPE_CHECKING:
-    from flexmoba.selection import Selection
+    from flexmoba.gate import Selection
 
 Backend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "Selection", float], torch.Tensor]
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmoba import _checks
+from flexmoba import validation
 from flexmoba.masks import moba_mask_mod
-from flexmoba.selection import Selection, _check_selection_args, select_chunks
+from flexmoba.gate import Selection, select_chunks
 
 DEFAULT_BLOCK_SIZE = 128  # a multiple of the GPU kernel's tile; the CPU kernel takes any
 
@@ -164,7 +164,7 @@ def selection_block_mask(
     """
     if isinstance(block_size, int):
         block_size = (block_size, block_size)
-    Bq, Bk = (_checks.check_positive_int(b, "block_size") for b in block_size)
+    Bq, Bk = (validation.check_positive_int(b, "block_size") for b in block_size)
     S = selection.chunks.shape[2]
     kv_num, kv_idx, full_num, full_idx = block_tables(selection, (Bq, Bk))
     return BlockMask.from_kv_blocks(
@@ -200,7 +200,6 @@ def moba_block_mask(
     The mask's ``mask_mod`` encodes the whole selection; its tables mark a block "full"
     only when every query of the tile attends every key of the block.
     """
-    chunk_size, top_k, granularity = _check_selection_args(q, k, chunk_size, top_k, granularity, document_ids)
     selection = select_chunks(
         q, k, chunk_size=chunk_size, top_k=top_k, granularity=granularity, document_ids=document_ids
     )

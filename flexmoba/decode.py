@@ -38,8 +38,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from flexmoba import _checks, selection
-from flexmoba.selection import scores_against_means
+from flexmoba import gate, validation
+from flexmoba.gate import scores_against_means
 
 # Up to this many new queries, read each query's selected keys (O(top_k * chunk_size) per
 # query); beyond it (chunked prefill) use one [S_new, T] mask.
@@ -78,7 +78,7 @@ class ChunkKeySums:
     def __init__(self, batch: int, kv_heads: int, head_dim: int, chunk_size: int, *,
                  start: torch.Tensor | None = None, device=None, key_dtype=torch.float32,
                  keep_blocks: bool = True):
-        self.chunk_size = _checks.check_positive_int(chunk_size, "chunk_size")
+        self.chunk_size = validation.check_positive_int(chunk_size, "chunk_size")
         self.start = _check_start(start, batch, device)
         self.start_list = self.start.tolist()  # one host read here, none per step
         self.padded = any(self.start_list)
@@ -148,7 +148,7 @@ class ChunkKeySums:
 
     def means(self) -> torch.Tensor:
         """``[B, H_kv, n_chunks, D]`` fp32 chunk means, rounded through the key dtype like
-        :func:`flexmoba.selection.chunk_means` (the official gate pools keys in their dtype)."""
+        :func:`flexmoba.gate.chunk_means` (the official gate pools keys in their dtype)."""
         return self._means[:, :, : self.n_chunks]
 
     def key_blocks(self, keys: torch.Tensor) -> torch.Tensor:
@@ -180,7 +180,7 @@ class MoBAKVCache:
     """
 
     def __init__(self, chunk_size: int, start: torch.Tensor | None = None):
-        self.chunk_size = _checks.check_positive_int(chunk_size, "chunk_size")
+        self.chunk_size = validation.check_positive_int(chunk_size, "chunk_size")
         self._start = start
         self._keys: torch.Tensor | None = None
         self._values: torch.Tensor | None = None
@@ -216,8 +216,8 @@ class MoBAKVCache:
 
     def update(self, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``k_new, v_new: [B, H_kv, S_new, D]``; return all keys and values ``[B, H_kv, T, D]``."""
-        _checks._check_tensor(k_new, "k_new", 4)
-        _checks._check_tensor(v_new, "v_new", 4)
+        validation.check_tensor(k_new, "k_new", 4)
+        validation.check_tensor(v_new, "v_new", 4)
         if k_new.shape[:3] != v_new.shape[:3]:
             raise ValueError(f"v_new must be [B, H_kv, S_new, Dv] like k_new {tuple(k_new.shape[:3])}, "
                              f"got {tuple(v_new.shape)}")
@@ -248,7 +248,7 @@ def select_past_chunks(q: torch.Tensor, means: torch.Tensor, own: torch.Tensor, 
         # [B, H, S_new, D] rows would broadcast the means over the group (a copy per head).
         rows = q.detach().float().reshape(B, H_kv, H // H_kv * S_new, D)
         scores = scores_against_means(rows, means).view(B, H, S_new, N)
-        return selection.select_past_chunks(scores, own, top_k)
+        return gate.select_past_chunks(scores, own, top_k)
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -373,15 +373,15 @@ def decode_attention(
 
 def _check_decode_args(q, keys, values, top_k, scale, path) -> tuple[int, float]:
     """Validate a decode call; returns ``(top_k, scale)`` with the default scale filled in."""
-    _checks._check_tensor(q, "q", 4)
-    _checks._check_tensor(keys, "keys", 4)
+    validation.check_tensor(q, "q", 4)
+    validation.check_tensor(keys, "keys", 4)
     S_new, T = q.shape[2], keys.shape[2]
     if S_new > T:
         raise ValueError(f"q has {S_new} positions but the cache holds only {T} keys (queries sit at its end)")
     # The q/k/v checks want equal lengths: check q against the last S_new cached positions.
-    _checks.check_qkv(q, keys[:, :, T - S_new:], values[:, :, T - S_new:])
-    top_k = _checks.check_positive_int(top_k, "top_k")
-    scale = _checks.check_scale(scale)
+    validation.check_qkv(q, keys[:, :, T - S_new:], values[:, :, T - S_new:])
+    top_k = validation.check_positive_int(top_k, "top_k")
+    scale = validation.check_scale(scale)
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     return top_k, q.shape[-1] ** -0.5 if scale is None else scale
@@ -533,7 +533,7 @@ def moba_decode_attention(
 def dense_decode_attention(q_new: torch.Tensor, cache: MoBAKVCache, *, scale: float | None = None) -> torch.Tensor:
     """Full causal attention of ``q_new: [B, H, S_new, D]`` over a :class:`MoBAKVCache` (after ``update``)."""
     _check_cache(cache)
-    return dense_causal_attention(q_new, cache.keys, cache.values, cache.start, _checks.check_scale(scale))
+    return dense_causal_attention(q_new, cache.keys, cache.values, cache.start, validation.check_scale(scale))
 
 
 def _check_cache(cache) -> None:

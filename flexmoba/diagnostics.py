@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from flexmoba.masks import dense_moba_mask
-from flexmoba.selection import Selection, select_chunks
+from flexmoba.gate import Selection, select_chunks
 
 
 @torch.no_grad()

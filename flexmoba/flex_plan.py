@@ -46,7 +46,7 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask
 from flexmoba.block_mask import DEFAULT_BLOCK_SIZE, interval_block_tables
 from flexmoba.compiled_flex import compiled_flex_attention
 from flexmoba.gather import selected_pairs
-from flexmoba.selection import Selection, _check_selection_args, select_chunks
+from flexmoba.gate import Selection, select_chunks
 
 # Below this the sink's p carries too few significant bits to give LSE to fp32 precision.
 SINK_MIN_P = 1e-30
@@ -332,7 +332,6 @@ def moba_flex_plan(
     Returns:
         A :class:`MoBAFlexPlan`; ``plan.attention(q, k, v)`` runs it.
     """
-    chunk_size, top_k, granularity = _check_selection_args(q, k, chunk_size, top_k, granularity, document_ids)
     selection = select_chunks(q, k, chunk_size=chunk_size, top_k=top_k, granularity=granularity,
                               document_ids=document_ids)
     sink = q.device.type == "cpu" if sink is None else bool(sink)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flexmoba.selection import Selection
+from flexmoba.gate import Selection
 
 
 def selected_pairs(selection: Selection) -> tuple[torch.Tensor, torch.Tensor]:

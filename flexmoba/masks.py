@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from flexmoba.selection import Selection
+from flexmoba.gate import Selection
 
 
 def moba_mask_mod(selection: Selection):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from flexmoba import _checks
+from flexmoba import validation
 from flexmoba.masks import dense_moba_mask
-from flexmoba.selection import _check_selection_args, select_chunks
+from flexmoba.gate import select_chunks
 
 
 def moba_reference(
@@ -24,9 +24,8 @@ def moba_reference(
 
     ``q: [B, H, S, D]``, ``k, v: [B, H_kv, S, D]`` -> ``[B, H, S, D]`` in q's dtype.
     """
-    chunk_size, top_k, granularity = _check_selection_args(q, k, chunk_size, top_k, granularity, document_ids)
-    _checks.check_qkv(q, k, v)
-    scale = _checks.check_scale(scale)
+    validation.check_qkv(q, k, v)
+    scale = validation.check_scale(scale)
     selection = select_chunks(
         q, k, chunk_size=chunk_size, top_k=top_k, granularity=granularity, document_ids=document_ids
     )

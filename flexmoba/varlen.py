@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flexmoba import _checks
+from flexmoba import validation
 from flexmoba.attention import moba_attention
 
 
@@ -40,7 +40,7 @@ def moba_attention_varlen(
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             raise ValueError(f"{name} must be a [T, heads, head_dim] tensor, got {getattr(x, 'shape', type(x))}")
-    _checks.check_cu_seqlens(cu_seqlens, q.shape[0], q.device)
+    validation.check_cu_seqlens(cu_seqlens, q.shape[0], q.device)
     document_ids = document_ids_from_cu_seqlens(cu_seqlens, q.shape[0])[None]
 
     def batched(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [1, H, T, D]

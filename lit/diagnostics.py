@@ -32,7 +32,7 @@ import torch
 
 from flexmoba.diagnostics import distance_histogram, gate_recall, selects_position
 from flexmoba.model import GPT, capture_attention_inputs
-from flexmoba.selection import select_chunks
+from flexmoba.gate import select_chunks
 
 
 @dataclass

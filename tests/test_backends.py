@@ -13,7 +13,7 @@ from conformance_cases import load_cases
 from flexmoba import backend_names, moba_attention, moba_attention_varlen, register_backend
 from flexmoba import backends as backend_table
 from flexmoba.attention import CPU_TILE_FLEX_MIN_SEQ, resolve_backend
-from flexmoba.selection import Selection
+from flexmoba.gate import Selection
 from strategies import problems, random_inputs
 
 BUILT_IN = ("flex", "flex_union", "gather", "sdpa")

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from flexmoba import _checks
+from flexmoba import validation
 from flexmoba.attention import moba_attention
 from flexmoba.decode import ChunkKeySums, decode_attention, dense_causal_attention
 
@@ -138,9 +138,9 @@ def padding_mask(**kwargs) -> torch.Tensor | None:
 def make_attention_function(*, chunk_size: int, top_k: int, dense_decode: bool = False, backend: str = "auto",
                             chunk_means: str = "running"):
     """The function transformers calls as ``attention_interface(module, q, k, v, mask, ...)``."""
-    chunk_size = _checks.check_positive_int(chunk_size, "chunk_size")
-    top_k = _checks.check_positive_int(top_k, "top_k")
-    backend = _checks.check_backend(backend)
+    chunk_size = validation.check_positive_int(chunk_size, "chunk_size")
+    top_k = validation.check_positive_int(top_k, "top_k")
+    backend = validation.check_backend(backend)
     if not isinstance(dense_decode, bool):
         raise TypeError(f"dense_decode must be a bool, got {type(dense_decode).__name__}")
     if chunk_means not in ("running", "recompute"):

@@ -1,4 +1,4 @@
-"""Input validation shared by the public API.
+"""Input validation shared by the public API (one place for every check).
 
 Every check raises ``ValueError`` or ``TypeError`` with the offending parameter's
 name, so bad input never turns into a silently wrong attention output.
@@ -49,7 +49,7 @@ def check_scale(scale) -> float | None:
     return float(scale)
 
 
-def _check_tensor(x, name: str, ndim: int) -> None:
+def check_tensor(x, name: str, ndim: int) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != ndim:
@@ -60,8 +60,8 @@ def _check_tensor(x, name: str, ndim: int) -> None:
 
 def check_qk(q, k) -> None:
     """``q: [B, H, S, D]``, ``k: [B, H_kv, S, D]`` with ``H % H_kv == 0``."""
-    _check_tensor(q, "q", 4)
-    _check_tensor(k, "k", 4)
+    check_tensor(q, "q", 4)
+    check_tensor(k, "k", 4)
     if k.device != q.device:
         raise ValueError(f"k is on {k.device} but q is on {q.device}")
     if k.dtype != q.dtype:
@@ -79,13 +79,23 @@ def check_qk(q, k) -> None:
 
 def check_qkv(q, k, v) -> None:
     check_qk(q, k)
-    _check_tensor(v, "v", 4)
+    check_tensor(v, "v", 4)
     if v.device != q.device:
         raise ValueError(f"v is on {v.device} but q is on {q.device}")
     if v.dtype != q.dtype:
         raise TypeError(f"v has dtype {v.dtype} but q has {q.dtype}")
     if v.shape[:3] != k.shape[:3]:
         raise ValueError(f"v must be [B, H_kv, S, Dv] like k {tuple(k.shape[:3])}, got {tuple(v.shape)}")
+
+
+def check_selection_args(q, k, chunk_size, top_k, granularity, document_ids) -> tuple[int, int, str | int]:
+    """Everything the gate reads; returns ``(chunk_size, top_k, granularity)`` normalised."""
+    check_qk(q, k)
+    chunk_size = check_positive_int(chunk_size, "chunk_size")
+    top_k = check_positive_int(top_k, "top_k")
+    granularity = check_granularity(granularity, chunk_size)
+    check_document_ids(document_ids, q)
+    return chunk_size, top_k, granularity
 
 
 def check_document_ids(document_ids, q) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flexmoba import _checks
+from flexmoba import validation
 from flexmoba.layout import ChunkLayout, chunk_layout
 
 
@@ -154,7 +154,21 @@ def select_chunks(
     granularity="token",
     document_ids: torch.Tensor | None = None,
 ) -> Selection:
-    """Run MoBA's gate. Inputs are assumed validated; see :func:`moba_selection`."""
+    """Validate the inputs and run MoBA's gate: the one entry every public function gates through.
+
+    Args:
+        q: ``[B, H, S, D]`` queries.
+        k: ``[B, H_kv, S, D]`` keys, ``H % H_kv == 0``.
+        chunk_size: tokens per chunk (chunks restart at each document start).
+        top_k: chunks per query, counting its own chunk.
+        granularity: ``"token"`` (the paper) or an int tile size dividing ``chunk_size``.
+        document_ids: optional ``[B, S]`` ints; each run of equal ids is one document.
+
+    Returns:
+        The :class:`Selection`.
+    """
+    chunk_size, top_k, granularity = validation.check_selection_args(q, k, chunk_size, top_k, granularity,
+                                                                     document_ids)
     B, H, S, _ = q.shape
     layout = chunk_layout(B, S, chunk_size, q.device, document_ids)
     with torch.no_grad():
@@ -178,30 +192,11 @@ def moba_selection(
     granularity="token",
     document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Which chunks each query attends, own chunk included.
-
-    Args:
-        q: ``[B, H, S, D]`` queries.
-        k: ``[B, H_kv, S, D]`` keys, ``H % H_kv == 0``.
-        chunk_size: tokens per chunk (chunks restart at each document start).
-        top_k: chunks per query, counting its own chunk.
-        granularity: ``"token"`` (the paper) or an int tile size dividing ``chunk_size``.
-        document_ids: optional ``[B, S]`` ints; each run of equal ids is one document.
+    """Which chunks each query attends, own chunk included (arguments as :func:`select_chunks`).
 
     Returns:
         ``[B, H, S, ceil(S / chunk_size)]`` bool; index j is the j-th chunk of the
         query's own document.
     """
-    chunk_size, top_k, granularity = _check_selection_args(q, k, chunk_size, top_k, granularity, document_ids)
-    return select_chunks(
-        q, k, chunk_size=chunk_size, top_k=top_k, granularity=granularity, document_ids=document_ids
-    ).chunks
-
-
-def _check_selection_args(q, k, chunk_size, top_k, granularity, document_ids):
-    _checks.check_qk(q, k)
-    chunk_size = _checks.check_positive_int(chunk_size, "chunk_size")
-    top_k = _checks.check_positive_int(top_k, "top_k")
-    granularity = _checks.check_granularity(granularity, chunk_size)
-    _checks.check_document_ids(document_ids, q)
-    return chunk_size, top_k, granularity
+    return select_chunks(q, k, chunk_size=chunk_size, top_k=top_k, granularity=granularity,
+                         document_ids=document_ids).chunks
