@@ -32,6 +32,7 @@ from flexmoba.flex_plan import plan_from_selection
 from flexmoba.gather import gather_moba_attention
 from flexmoba.masks import dense_moba_mask
 from flexmoba.gate import Selection, select_chunks
+from flexmoba.layout import ChunkLayout
 
 # CPU crossovers (2-core x86, fp32, chunk 512 / top-3; benchmarks.attention). Token
 # granularity: gather beats the regrouped flex plan (with its sink key) at every length,
@@ -116,6 +117,7 @@ def moba_attention(
     backend: str = "auto",
     scale: float | None = None,
     document_ids: torch.Tensor | None = None,
+    layout: ChunkLayout | None = None,
 ) -> torch.Tensor:
     """Causal MoBA attention.
 
@@ -128,6 +130,8 @@ def moba_attention(
             ``"gather"``, ``"sdpa"``, or one added with :func:`flexmoba.register_backend`).
         scale: softmax scale, default ``D ** -0.5``.
         document_ids: optional ``[B, S]`` ints; nothing attends across documents.
+        layout: optional prebuilt chunk layout of these documents (built once per model
+            forward and shared by its layers; see :func:`flexmoba.gate.select_chunks`).
 
     Returns:
         ``[B, H, S, Dv]`` in q's dtype.
@@ -137,7 +141,7 @@ def moba_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     validation.check_backend(backend)
     selection = select_chunks(
-        q, k, chunk_size=chunk_size, top_k=top_k, granularity=granularity, document_ids=document_ids
+        q, k, chunk_size=chunk_size, top_k=top_k, granularity=granularity, document_ids=document_ids, layout=layout
     )
     backend = resolve_backend(backend, q, k, v, selection.layout.chunk_size, top_k, selection.granularity)
     return get_backend(backend)(q, k, v, selection, scale)

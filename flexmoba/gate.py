@@ -153,6 +153,7 @@ def select_chunks(
     top_k: int,
     granularity="token",
     document_ids: torch.Tensor | None = None,
+    layout: ChunkLayout | None = None,
 ) -> Selection:
     """Validate the inputs and run MoBA's gate: the one entry every public function gates through.
 
@@ -163,6 +164,8 @@ def select_chunks(
         top_k: chunks per query, counting its own chunk.
         granularity: ``"token"`` (the paper) or an int tile size dividing ``chunk_size``.
         document_ids: optional ``[B, S]`` ints; each run of equal ids is one document.
+        layout: the :func:`flexmoba.layout.chunk_layout` of these documents, when the caller
+            built it already (a model builds it once per forward for all its layers).
 
     Returns:
         The :class:`Selection`.
@@ -170,7 +173,9 @@ def select_chunks(
     chunk_size, top_k, granularity = validation.check_selection_args(q, k, chunk_size, top_k, granularity,
                                                                      document_ids)
     B, H, S, _ = q.shape
-    layout = chunk_layout(B, S, chunk_size, q.device, document_ids)
+    if layout is None:
+        layout = chunk_layout(B, S, chunk_size, q.device, document_ids)
+    validation.check_layout(layout, B, S, chunk_size, document_ids)
     with torch.no_grad():
         rows, own, positions_per_row = gate_rows(q.detach(), layout, granularity)
         past_chunks, past_valid = select_past_chunks(gate_scores(rows, k.detach(), layout), own, top_k)

@@ -98,6 +98,16 @@ def check_selection_args(q, k, chunk_size, top_k, granularity, document_ids) -> 
     return chunk_size, top_k, granularity
 
 
+def check_layout(layout, batch: int, seq_len: int, chunk_size: int, document_ids) -> None:
+    """A prebuilt chunk layout must describe these rows, this chunk size and these documents."""
+    if tuple(layout.doc_start.shape) != (batch, seq_len) or layout.chunk_size != chunk_size:
+        raise ValueError(f"layout is for [B, S] = {list(layout.doc_start.shape)} with chunk_size={layout.chunk_size}, "
+                         f"but the call has [{batch}, {seq_len}] and chunk_size={chunk_size}")
+    if layout.has_documents != (document_ids is not None):
+        raise ValueError("layout was built " + ("with" if layout.has_documents else "without")
+                         + " document_ids, but the call passes " + ("none" if document_ids is None else "some"))
+
+
 def check_document_ids(document_ids, q) -> None:
     """``document_ids: [B, S]`` integer tensor on q's device (or None)."""
     if document_ids is None:

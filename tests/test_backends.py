@@ -152,3 +152,17 @@ def test_explicit_names_pass_through():
     q, k, v = inputs(64)
     for name in backend_names():
         assert resolve_backend(name, q, k, v, chunk_size=16, top_k=2) == name
+
+
+def test_a_prebuilt_layout_gives_the_same_attention_and_is_checked():
+    from flexmoba.layout import chunk_layout
+
+    q, k, v = random_inputs(2, 2, 2, 1, 40, 4)
+    ids = torch.tensor([[0] * 13 + [1] * 27, [5] * 40])
+    layout = chunk_layout(2, 40, 6, q.device, ids)
+    kw = dict(chunk_size=6, top_k=3, document_ids=ids, backend="gather")
+    assert torch.equal(moba_attention(q, k, v, layout=layout, **kw), moba_attention(q, k, v, **kw))
+    with pytest.raises(ValueError, match="chunk_size"):
+        moba_attention(q, k, v, layout=chunk_layout(2, 40, 5, q.device, ids), **kw)
+    with pytest.raises(ValueError, match="document_ids"):
+        moba_attention(q, k, v, layout=chunk_layout(2, 40, 6, q.device), **kw)
