@@ -173,14 +173,18 @@ class MoBAKVCache:
     state (:attr:`sums`) catches up with the keys only when MoBA needs it, so a context that
     still fits in ``chunk_size * top_k`` (dense attention) pays nothing for it.
 
+    With ``dense_decode`` every query attending this cache gets full causal attention (the
+    paper's protocol for generated tokens), unless the call says otherwise.
+
     Usage, per layer and step::
 
         keys, values = cache.update(k_new, v_new)       # [B, H_kv, T, D]
         out = moba_decode_attention(q_new, cache, top_k=3)
     """
 
-    def __init__(self, chunk_size: int, start: torch.Tensor | None = None):
+    def __init__(self, chunk_size: int, start: torch.Tensor | None = None, *, dense_decode: bool = False):
         self.chunk_size = validation.check_positive_int(chunk_size, "chunk_size")
+        self.dense_decode = validation.check_bool(dense_decode, "dense_decode")
         self._start = start
         self._keys: torch.Tensor | None = None
         self._values: torch.Tensor | None = None
@@ -512,7 +516,7 @@ def moba_decode_attention(
     *,
     top_k: int,
     scale: float | None = None,
-    dense_decode: bool = False,
+    dense_decode: bool | None = None,
     path: str = "auto",
 ) -> torch.Tensor:
     """MoBA attention of ``q_new: [B, H, S_new, D]`` over a :class:`MoBAKVCache`.
@@ -520,9 +524,10 @@ def moba_decode_attention(
     Call ``cache.update(k_new, v_new)`` first: the queries are the cache's last ``S_new``
     positions. Returns ``[B, H, S_new, Dv]``, equal to those rows of
     :func:`flexmoba.moba_reference` over the whole cached sequence (or of full causal
-    attention with ``dense_decode=True``).
+    attention with ``dense_decode``; ``None`` means the cache's ``dense_decode``).
     """
     _check_cache(cache)
+    dense_decode = cache.dense_decode if dense_decode is None else dense_decode
     top_k, scale = _check_decode_args(q_new, cache.keys, cache.values, top_k, scale, path)
     lazy = cache._sums  # not caught up yet: dense attention does not need it
     if dense_decode or (path == "auto" and chunk_count(cache.length, min(lazy.start_list), lazy.chunk_size) <= top_k):

@@ -146,7 +146,7 @@ class CausalSelfAttention(nn.Module):
         return self.override or self.kind
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: MoBAKVCache | None = None, dense_decode: bool = False) -> torch.Tensor:
+                cache: MoBAKVCache | None = None) -> torch.Tensor:
         """``x: [B, S, C]`` -> ``[B, S, C]``; with ``cache``, x holds the newest S positions."""
         B, S, _ = x.shape
         cfg = self.config
@@ -155,7 +155,7 @@ class CausalSelfAttention(nn.Module):
         v = self.wv(x).view(B, S, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
-            y = self._attend_cached(q, k, v, cache, dense_decode)
+            y = self._attend_cached(q, k, v, cache)
         elif self.active_kind == "moba":
             y = moba_attention(
                 q, k, v,
@@ -168,11 +168,11 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=cfg.n_kv_heads != cfg.n_heads)
         return self.wo(y.transpose(1, 2).reshape(B, S, cfg.n_heads * cfg.head_dim))
 
-    def _attend_cached(self, q, k, v, cache: MoBAKVCache, dense_decode: bool) -> torch.Tensor:
+    def _attend_cached(self, q, k, v, cache: MoBAKVCache) -> torch.Tensor:
         """Append k, v to the cache; attend the new queries over it (MoBA decode or full causal)."""
         cache.update(k, v)
         if self.active_kind == "moba":
-            return moba_decode_attention(q, cache, top_k=self.config.moba_top_k, dense_decode=dense_decode)
+            return moba_decode_attention(q, cache, top_k=self.config.moba_top_k)
         return dense_decode_attention(q, cache)
 
 
@@ -196,8 +196,8 @@ class Block(nn.Module):
         self.mlp = SwiGLU(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: MoBAKVCache | None = None, dense_decode: bool = False) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, dense_decode)
+                cache: MoBAKVCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -245,8 +245,7 @@ class GPT(nn.Module):
     def attention_override(self) -> str | None:
         return self.blocks[0].attn.override
 
-    def forward(self, tokens: torch.Tensor, caches: list[MoBAKVCache] | None = None,
-                dense_decode: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, caches: list[MoBAKVCache] | None = None) -> torch.Tensor:
         """``tokens: [B, S]`` int -> logits ``[B, S, V]``.
 
         With ``caches`` (one :class:`MoBAKVCache` per layer) the tokens continue what the
@@ -259,11 +258,12 @@ class GPT(nn.Module):
         cos, sin = cos[past:], sin[past:]
         x = self.tok_emb(tokens)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, caches[i] if caches else None, dense_decode)
+            x = block(x, cos, sin, caches[i] if caches else None)
         return self.lm_head(self.norm(x))
 
-    def new_caches(self) -> list[MoBAKVCache]:
-        return [MoBAKVCache(self.config.moba_chunk_size) for _ in self.blocks]
+    def new_caches(self, dense_decode: bool = False) -> list[MoBAKVCache]:
+        """One empty cache per layer; ``dense_decode`` gives every query attending them full attention."""
+        return [MoBAKVCache(self.config.moba_chunk_size, dense_decode=dense_decode) for _ in self.blocks]
 
     @torch.no_grad()
     def generate(
@@ -284,11 +284,11 @@ class GPT(nn.Module):
         it re-runs the whole sequence per token, as ``use_cache=False`` does.
         """
         use_cache = use_cache and self.config.moba_granularity == "token"
-        caches = self.new_caches() if use_cache else None
+        caches = self.new_caches(dense_decode) if use_cache else None
         tokens, step_input = prompt, prompt
         for _ in range(max_new_tokens):
             if use_cache:
-                logits = self(step_input, caches, dense_decode)[:, -1]
+                logits = self(step_input, caches)[:, -1]
             else:
                 logits = self(tokens)[:, -1]
             next_token = sample_next_token(logits, temperature, top_k, generator)

@@ -140,3 +140,9 @@ def check_cu_seqlens(cu_seqlens, total_tokens: int, device: torch.device) -> Non
         raise ValueError(f"cu_seqlens must be strictly increasing, got {bounds}")
     if bounds[-1] != total_tokens:
         raise ValueError(f"cu_seqlens must end at the number of tokens {total_tokens}, got {bounds[-1]}")
+
+
+def check_bool(value, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value

@@ -141,8 +141,7 @@ def make_attention_function(*, chunk_size: int, top_k: int, dense_decode: bool =
     chunk_size = validation.check_positive_int(chunk_size, "chunk_size")
     top_k = validation.check_positive_int(top_k, "top_k")
     backend = validation.check_backend(backend)
-    if not isinstance(dense_decode, bool):
-        raise TypeError(f"dense_decode must be a bool, got {type(dense_decode).__name__}")
+    validation.check_bool(dense_decode, "dense_decode")
     if chunk_means not in ("running", "recompute"):
         raise ValueError(f"chunk_means must be 'running' or 'recompute', got {chunk_means!r}")
 
