@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from benchmarks.common import finish_report, print_row
 from flexmoba import moba_reference
-from flexmoba.decode import MoBAKVCache, moba_decode_attention
+from flexmoba.decode import moba_decode_attention
+from flexmoba.kv_cache import MoBAKVCache
 
 COLUMNS = [
     ("seq_len", "context"), ("dense_gqa_ms", "dense SDPA GQA (ms)"), ("dense_grouped_ms", "dense grouped (ms)"),

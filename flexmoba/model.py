@@ -20,7 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flexmoba.attention import moba_attention
-from flexmoba.decode import MoBAKVCache, dense_decode_attention, moba_decode_attention
+from flexmoba.decode import dense_decode_attention, moba_decode_attention
+from flexmoba.kv_cache import MoBAKVCache
 
 ATTENTION_KINDS = ("moba", "full")
 

@@ -146,3 +146,64 @@ def check_bool(value, name: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     return value
+
+
+def check_choice(value, name: str, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def check_start(start, batch: int, device) -> torch.Tensor:
+    """``start: [B]`` non-negative ints, the first real position of each row (None: no padding) -> long tensor."""
+    if start is None:
+        return torch.zeros(batch, dtype=torch.long, device=device)
+    if not isinstance(start, torch.Tensor) or start.is_floating_point() or start.dtype == torch.bool:
+        raise TypeError(f"start must be an integer tensor [B], got {getattr(start, 'dtype', type(start).__name__)}")
+    if tuple(start.shape) != (batch,):
+        raise ValueError(f"start must be [B] = [{batch}], got {tuple(start.shape)}")
+    if bool((start < 0).any()):
+        raise ValueError("start must be >= 0 (it counts the left padding of each row)")
+    return start.to(device=device, dtype=torch.long)
+
+
+def check_cache_update(k_new, v_new, cached_keys) -> None:
+    """``k_new: [B, H_kv, S_new, D]``, ``v_new: [B, H_kv, S_new, Dv]``, shaped like ``cached_keys`` (or None)."""
+    check_tensor(k_new, "k_new", 4)
+    check_tensor(v_new, "v_new", 4)
+    if k_new.shape[:3] != v_new.shape[:3]:
+        raise ValueError(f"v_new must be [B, H_kv, S_new, Dv] like k_new {tuple(k_new.shape[:3])}, "
+                         f"got {tuple(v_new.shape)}")
+    if cached_keys is not None and (k_new.shape[:2] != cached_keys.shape[:2] or k_new.shape[3] != cached_keys.shape[3]):
+        raise ValueError(f"k_new {tuple(k_new.shape)} does not match the cached keys {tuple(cached_keys.shape)}")
+
+
+def check_cache(cache, cache_type: type) -> None:
+    """A ``cache_type`` instance holding at least one position (queries attend after ``update``)."""
+    if not isinstance(cache, cache_type):
+        raise TypeError(f"cache must be a {cache_type.__name__}, got {type(cache).__name__}")
+    if cache.length == 0:
+        raise ValueError("the cache is empty; call cache.update(k_new, v_new) before attending")
+
+
+def check_decode_args(q, keys, values, top_k) -> int:
+    """``q: [B, H, S_new, D]`` at the end of ``keys, values: [B, H_kv, T, D]`` (``S_new <= T``); returns ``top_k``."""
+    check_tensor(q, "q", 4)
+    check_tensor(keys, "keys", 4)
+    S_new, T = q.shape[2], keys.shape[2]
+    if S_new > T:
+        raise ValueError(f"q has {S_new} positions but the cache holds only {T} keys (queries sit at its end)")
+    # The q/k/v checks want equal lengths: check q against the last S_new cached positions.
+    check_qkv(q, keys[:, :, T - S_new:], values[:, :, T - S_new:])
+    return check_positive_int(top_k, "top_k")
+
+
+def check_sums_hold(sums_length: int, n_keys: int) -> None:
+    """Running chunk sums must hold exactly the ``n_keys`` keys they are used with."""
+    if sums_length != n_keys:
+        raise ValueError(f"chunk sums hold {sums_length} keys but keys hold {n_keys}; update the sums first")
+
+
+def check_float32(q, values, path: str) -> None:
+    """``path`` reads fp32 buffers only: ``q`` and ``values`` must be float32."""
+    if not q.dtype == values.dtype == torch.float32:
+        raise TypeError(f"path={path!r} needs float32 q, keys and values, got {q.dtype}; use path='gather'")

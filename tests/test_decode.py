@@ -6,7 +6,8 @@ import torch.nn.functional as F
 
 import oracle
 from flexmoba import decode, moba_reference
-from flexmoba.decode import ChunkKeySums, MoBAKVCache, moba_decode_attention
+from flexmoba.decode import moba_decode_attention
+from flexmoba.kv_cache import ChunkKeySums, MoBAKVCache
 
 CHUNK, TOP_K = 8, 3
 CUT = CHUNK * TOP_K  # up to this many cached positions, MoBA decode is dense attention

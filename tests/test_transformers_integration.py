@@ -12,8 +12,8 @@ pytest.importorskip("transformers")
 from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from flexmoba import moba_reference  # noqa: E402
-from flexmoba.decode import ChunkKeySums  # noqa: E402
 from flexmoba.integrations import transformers as hf  # noqa: E402
+from flexmoba.kv_cache import ChunkKeySums  # noqa: E402
 
 CHUNK, TOP_K, S = 8, 2, 40  # 5 chunks, 2 attended: MoBA is active
 TOL = dict(rtol=1e-5, atol=1e-5)

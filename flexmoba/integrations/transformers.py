@@ -44,7 +44,8 @@ import torch
 
 from flexmoba import validation
 from flexmoba.attention import moba_attention
-from flexmoba.decode import ChunkKeySums, decode_attention, dense_causal_attention
+from flexmoba.decode import decode_attention, dense_causal_attention
+from flexmoba.kv_cache import ChunkKeySums
 
 MIN_TRANSFORMERS = "4.48"  # first release with transformers.AttentionInterface
 _SUMS_ATTR = "_flexmoba_chunk_sums"
