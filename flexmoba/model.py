@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from flexmoba.attention import moba_attention
 from flexmoba.decode import dense_decode_attention, moba_decode_attention
 from flexmoba.kv_cache import MoBAKVCache
+from flexmoba.layout import ChunkLayout, chunk_layout
 
 ATTENTION_KINDS = ("moba", "full")
 
@@ -146,15 +147,24 @@ class CausalSelfAttention(nn.Module):
     def active_kind(self) -> str:
         return self.override or self.kind
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: MoBAKVCache | None = None) -> torch.Tensor:
-        """``x: [B, S, C]`` -> ``[B, S, C]``; with ``cache``, x holds the newest S positions."""
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``x: [B, S, C]`` -> q ``[B, H, S, D]``, k and v ``[B, H_kv, S, D]``, RoPE on q and k."""
         B, S, _ = x.shape
         cfg = self.config
-        q = self.wq(x).view(B, S, cfg.n_heads, cfg.head_dim).transpose(1, 2)  # [B, H, S, D]
-        k = self.wk(x).view(B, S, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)  # [B, H_kv, S, D]
+        q = self.wq(x).view(B, S, cfg.n_heads, cfg.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, S, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, S, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: ChunkLayout | None = None,
+                cache: MoBAKVCache | None = None) -> torch.Tensor:
+        """``x: [B, S, C]`` -> ``[B, S, C]``; with ``cache``, x holds the newest S positions.
+
+        ``layout``: the chunk layout of these S positions, built once per model forward.
+        """
+        B, S, _ = x.shape
+        cfg = self.config
+        q, k, v = self.qkv(x, cos, sin)
         if cache is not None:
             y = self._attend_cached(q, k, v, cache)
         elif self.active_kind == "moba":
@@ -164,6 +174,7 @@ class CausalSelfAttention(nn.Module):
                 top_k=cfg.moba_top_k,
                 granularity=cfg.moba_granularity,
                 backend=cfg.moba_backend,
+                layout=layout,
             )
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=cfg.n_kv_heads != cfg.n_heads)
@@ -196,9 +207,9 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(config.d_model)
         self.mlp = SwiGLU(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: ChunkLayout | None = None,
                 cache: MoBAKVCache | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache)
+        x = x + self.attn(self.attn_norm(x), cos, sin, layout, cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -254,12 +265,15 @@ class GPT(nn.Module):
         """
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [B, S], got shape {tuple(tokens.shape)}")
+        cfg = self.config
+        B, S = tokens.shape
         past = caches[0].length if caches else 0
-        cos, sin = rope_tables(past + tokens.shape[1], self.config.head_dim, self.config.rope_base, tokens.device)
+        cos, sin = rope_tables(past + S, cfg.head_dim, cfg.rope_base, tokens.device)
         cos, sin = cos[past:], sin[past:]
+        layout = None if caches else chunk_layout(B, S, cfg.moba_chunk_size, tokens.device)  # shared by all layers
         x = self.tok_emb(tokens)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, caches[i] if caches else None)
+            x = block(x, cos, sin, layout, caches[i] if caches else None)
         return self.lm_head(self.norm(x))
 
     def new_caches(self, dense_decode: bool = False) -> list[MoBAKVCache]:
@@ -302,31 +316,21 @@ class GPT(nn.Module):
 def capture_attention_inputs(model: GPT, tokens: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per layer ``(q [B, H, S, D], k [B, H_kv, S, D], v [B, H_kv, S, D])`` as attention sees them.
 
-    Forward hooks catch each layer's projections during one forward of ``tokens: [B, S]``;
-    RoPE is re-applied exactly as :class:`CausalSelfAttention` does. For diagnostics and
-    benchmarks that need real queries and keys.
+    One forward of ``tokens: [B, S]``; a pre-hook on each attention layer runs the layer's own
+    :meth:`CausalSelfAttention.qkv` on the inputs it gets. For diagnostics and benchmarks.
     """
-    cfg = model.config
-    B, S = tokens.shape
-    projections: list[dict[str, torch.Tensor]] = [{} for _ in model.blocks]
-    handles = []
-    for store, block in zip(projections, model.blocks):
-        for name in ("wq", "wk", "wv"):
-            def keep(module, args, out, store=store, name=name):
-                store[name] = out
-            handles.append(getattr(block.attn, name).register_forward_hook(keep))
+    captured = []
+
+    def capture(attn: CausalSelfAttention, args) -> None:
+        captured.append(attn.qkv(*args[:3]))  # (x, cos, sin)
+
+    handles = [block.attn.register_forward_pre_hook(capture) for block in model.blocks]
     try:
         model(tokens)
     finally:
         for handle in handles:
             handle.remove()
-    cos, sin = rope_tables(S, cfg.head_dim, cfg.rope_base, tokens.device)
-
-    def heads(x: torch.Tensor, n: int) -> torch.Tensor:  # [B, S, n * D] -> [B, n, S, D]
-        return x.view(B, S, n, cfg.head_dim).transpose(1, 2)
-
-    return [(apply_rope(heads(p["wq"], cfg.n_heads), cos, sin), apply_rope(heads(p["wk"], cfg.n_kv_heads), cos, sin),
-             heads(p["wv"], cfg.n_kv_heads)) for p in projections]
+    return captured
 
 
 def sample_next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,

@@ -31,8 +31,9 @@ import numpy as np
 import torch
 
 from flexmoba.diagnostics import distance_histogram, gate_recall, selects_position
-from flexmoba.model import GPT, capture_attention_inputs
 from flexmoba.gate import select_chunks
+from flexmoba.layout import chunk_layout
+from flexmoba.model import GPT, capture_attention_inputs
 
 
 @dataclass
@@ -109,11 +110,12 @@ def gate_stats(model: GPT, tokens: torch.Tensor, needles: Needles | None = None)
     cfg = model.config
     chunk, top_k = cfg.moba_chunk_size, cfg.moba_top_k
     nontrivial = torch.arange(tokens.shape[1], device=tokens.device) >= chunk * top_k
+    layout = chunk_layout(*tokens.shape, chunk, tokens.device)  # one for all layers
     stats = []
     for kind, (q, k) in zip(model.layer_attention(), capture_queries_keys(model, tokens)):
         recall = gate_recall(q, k, chunk_size=chunk, top_k=top_k)  # [B, H, S]
         per_head = recall[..., nontrivial].mean(dim=(0, 2)) if nontrivial.any() else recall.mean(dim=(0, 2))
-        selection = select_chunks(q, k, chunk_size=chunk, top_k=top_k)
+        selection = select_chunks(q, k, chunk_size=chunk, top_k=top_k, layout=layout)
         stats.append(LayerGateStats(
             kind=kind,
             recall=per_head.cpu(),
