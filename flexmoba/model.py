@@ -21,10 +21,12 @@ import torch.nn.functional as F
 
 from flexmoba.attention import moba_attention
 from flexmoba.decode import dense_decode_attention, moba_decode_attention
+from flexmoba.flops import keys_attended_full, keys_attended_moba
 from flexmoba.kv_cache import MoBAKVCache
 from flexmoba.layout import ChunkLayout, chunk_layout
 
 ATTENTION_KINDS = ("moba", "full")
+TRAINING_MULTIPLIER = 3  # forward + backward (~2x forward)
 
 
 @dataclass
@@ -115,6 +117,39 @@ class ModelConfig:
         if not non_embedding:
             total += V * C * (1 if self.tie_embeddings else 2)
         return total
+
+    # FLOPs, two numbers kept apart on purpose: ``6 N`` per token, the paper's compute (Kaplan
+    # et al.; blind to attention, so MoBA and full cost the same), and the attention FLOPs
+    # really done over the (query, key) pairs each layer attends.
+
+    def dense_flops_per_token(self, training: bool = True) -> int:
+        """``6 N`` for training (``2 N`` forward), N = non-embedding parameters."""
+        return (6 if training else 2) * self.num_parameters(non_embedding=True)
+
+    def attention_flops_per_sequence(self, seq_len: int, layer_attention: list[str] | None = None,
+                                     training: bool = True) -> int:
+        """``QK^T`` and ``AV`` FLOPs of one sequence through all layers, ``4 H D`` per attended pair.
+
+        ``layer_attention`` overrides the per-layer kinds (e.g. after a phase switch); training
+        counts the backward as twice the forward.
+        """
+        pairs = {"full": keys_attended_full(seq_len),
+                 "moba": keys_attended_moba(seq_len, self.moba_chunk_size, self.moba_top_k)}
+        attended = sum(pairs[kind] for kind in layer_attention or self.layer_attention())
+        forward = 4 * self.n_heads * self.head_dim * attended
+        return forward * (TRAINING_MULTIPLIER if training else 1)
+
+    def attention_flops_per_token(self, seq_len: int, layer_attention: list[str] | None = None,
+                                  training: bool = True) -> float:
+        return self.attention_flops_per_sequence(seq_len, layer_attention, training) / seq_len
+
+    def flops_per_token(self, seq_len: int, layer_attention: list[str] | None = None, training: bool = True) -> float:
+        """``6 N`` plus the attention FLOPs really done, per token."""
+        return self.dense_flops_per_token(training) + self.attention_flops_per_token(seq_len, layer_attention, training)
+
+    def attention_sparsity(self, seq_len: int) -> float:
+        """Share of causal (query, key) pairs MoBA skips at ``seq_len`` (0 when it equals full attention)."""
+        return 1.0 - keys_attended_moba(seq_len, self.moba_chunk_size, self.moba_top_k) / keys_attended_full(seq_len)
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,7 +22,6 @@ import lightning as L
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from flexmoba.flops import attention_flops_per_token, attention_sparsity, dense_flops_per_token
 from flexmoba.model import ModelConfig
 from lit.data import PythonSourceData
 from lit.module import LitLM
@@ -128,8 +127,8 @@ def train_one(args: argparse.Namespace, attention: str, run_dir: Path, data: Pyt
         "train_seconds": recorder.seconds,
         "train_tokens": recorder.tokens,
         "tokens_per_second": recorder.tokens / max(recorder.seconds, 1e-9),
-        "dense_flops_per_token": dense_flops_per_token(config),
-        "attention_flops_per_token": attention_flops_per_token(config, args.seq_len),
+        "dense_flops_per_token": config.dense_flops_per_token(),
+        "attention_flops_per_token": config.attention_flops_per_token(args.seq_len),
     }
 
 
@@ -145,7 +144,7 @@ def markdown_report(args: argparse.Namespace, results: list[dict], fingerprint: 
         f"Same budget for both: {args.steps} steps x {args.batch_size} sequences x {args.seq_len} bytes, "
         f"seed {args.seed}; corpus fingerprint `{fingerprint}`.",
         f"MoBA: chunk {args.chunk_size}, top-k {args.top_k} "
-        f"(skips {attention_sparsity(moba_config, args.seq_len):.0%} of causal query-key pairs at this length).",
+        f"(skips {moba_config.attention_sparsity(args.seq_len):.0%} of causal query-key pairs at this length).",
         "",
         "| attention | val loss | val ppl | trailing loss | params (non-emb) | train time (s) | tokens/s "
         "| 6N FLOPs/token | attention FLOPs/token |",

@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
-from flexmoba.flops import attention_flops_per_token, dense_flops_per_token
 from flexmoba.model import GPT, ModelConfig
 from lit.metrics import IGNORE_INDEX, WindowedLoss, position_windows
 from lit.metrics import trailing_window as trailing_positions
@@ -165,8 +164,8 @@ class LitLM(L.LightningModule):
         flops = {
             "params/non_embedding": float(self.model.num_parameters(non_embedding=True)),
             "params/total": float(self.model.num_parameters(non_embedding=False)),
-            "flops/dense_per_token": float(dense_flops_per_token(cfg)),
-            "flops/attention_per_token": float(attention_flops_per_token(cfg, self.seq_len)),
+            "flops/dense_per_token": float(cfg.dense_flops_per_token()),
+            "flops/attention_per_token": float(cfg.attention_flops_per_token(self.seq_len)),
         }
         for logger in self.loggers:
             logger.log_metrics(flops, step=0)

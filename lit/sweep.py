@@ -22,7 +22,6 @@ from pathlib import Path
 
 import yaml
 
-from flexmoba.flops import flops_per_token
 from flexmoba.model import ModelConfig
 from flexmoba.scaling_law import pflops_days
 
@@ -149,7 +148,7 @@ class Run:
             "params_non_embedding": n,
             "tokens": tokens,
             "compute_6nd": pflops_days(6 * n * tokens),
-            "compute_total": pflops_days(flops_per_token(config, self.spec.seq_len) * tokens),
+            "compute_total": pflops_days(config.flops_per_token(self.spec.seq_len) * tokens),
         }
 
 

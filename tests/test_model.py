@@ -3,13 +3,7 @@
 import pytest
 import torch
 
-from flexmoba.flops import (
-    attention_flops_per_sequence,
-    attention_sparsity,
-    dense_flops_per_token,
-    keys_attended_full,
-    keys_attended_moba,
-)
+from flexmoba.flops import keys_attended_full, keys_attended_moba
 from flexmoba.model import GPT, ModelConfig
 
 TINY = dict(n_layers=2, d_model=32, n_heads=4, moba_chunk_size=16, moba_top_k=2, moba_backend="sdpa")
@@ -114,10 +108,10 @@ def test_flop_accounting():
     config = tiny(moba_chunk_size=2, moba_top_k=2, n_layers=2, full_attention_last_n_layers=1)
     per_pair = 4 * config.n_heads * config.head_dim
     expected = per_pair * (keys_attended_moba(6, 2, 2) + keys_attended_full(6))
-    assert attention_flops_per_sequence(config, 6, training=False) == expected
-    assert attention_flops_per_sequence(config, 6) == 3 * expected
-    assert dense_flops_per_token(config) == 6 * config.num_parameters(non_embedding=True)
-    assert attention_sparsity(tiny(moba_chunk_size=32, moba_top_k=2), 64) == 0.0
+    assert config.attention_flops_per_sequence(6, training=False) == expected
+    assert config.attention_flops_per_sequence(6) == 3 * expected
+    assert config.dense_flops_per_token() == 6 * config.num_parameters(non_embedding=True)
+    assert tiny(moba_chunk_size=32, moba_top_k=2).attention_sparsity(64) == 0.0
 
 
 @pytest.mark.parametrize("attention, kv_heads", [("moba", 2), ("moba", 4), ("full", 2)])
