@@ -18,7 +18,7 @@ import json
 import math
 from pathlib import Path
 
-from flexmoba.scaling_law import PowerLaw, crossover, fit_power_law
+from lit.scaling_law import PowerLaw, crossover, fit_power_law
 
 WHOLE, TRAILING, POSITION_PREFIX = "val/loss", "val/loss_trailing", "val/loss_pos_"
 PROJECTION_SPAN = 10.0  # dashed lines reach this factor beyond the measured compute range

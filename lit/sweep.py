@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from flexmoba.model import ModelConfig
-from flexmoba.scaling_law import pflops_days
+from lit.scaling_law import pflops_days
 
 
 @dataclass

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flexmoba.scaling_law import PFLOP_S_DAY, crossover, fit_power_law, pflops_days
+from lit.scaling_law import PFLOP_S_DAY, crossover, fit_power_law, pflops_days
 
 
 @given(a=st.floats(0.5, 5.0), b=st.floats(-0.3, -0.01), seed=st.integers(0, 1000))
