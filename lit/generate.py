@@ -16,15 +16,7 @@ import sys
 import torch
 
 from flexmoba.model import GPT
-from lit.module import LitLM
-
-
-def load_model(ckpt: str, device: str = "cpu") -> GPT:
-    """The GPT of a LitLM checkpoint, in eval mode, with the checkpoint's attention override."""
-    # Our own checkpoints: their hparams pickle a ModelConfig, which weights-only loading refuses.
-    module = LitLM.load_from_checkpoint(ckpt, map_location=device, weights_only=False)
-    module.eval()
-    return module.model
+from lit.checkpoint import load_model
 
 
 @torch.no_grad()

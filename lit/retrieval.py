@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lit.checkpoint import load_model, read_checkpoint
 from lit.metrics import IGNORE_INDEX
 
 KEY_BYTES = np.frombuffer(string.ascii_uppercase.encode(), dtype=np.uint8)
@@ -337,16 +338,18 @@ def write_report(rows: list[dict], out_dir: str | Path, title: str) -> Path:
     return out
 
 
-def load_checkpoint(path: str | Path):
-    """``(LitLM, RetrievalData)`` from a checkpoint of a retrieval run (CPU, eval mode)."""
-    from lit.module import LitLM
+def load_run(path: str | Path, model_overrides: dict, data_overrides: dict):
+    """``(GPT, RetrievalData)`` of a retrieval run's checkpoint (CPU, eval mode), each built with
+    its overrides (``ModelConfig`` fields; ``RetrievalData`` arguments)."""
+    checkpoint = read_checkpoint(path)
+    saved = checkpoint.get("datamodule_hyper_parameters") or {}
+    data_hparams = {k: v for k, v in saved.items() if not k.startswith("_")}
+    return load_model(checkpoint, **model_overrides), RetrievalData(**{**data_hparams, **data_overrides})
 
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    module = LitLM.load_from_checkpoint(path, map_location="cpu", weights_only=False)
-    module.eval()
-    data_hparams = checkpoint.get("datamodule_hyper_parameters") or {}
-    data = RetrievalData(**{k: v for k, v in data_hparams.items() if not k.startswith("_")})
-    return module, data
+
+def given(**values) -> dict:
+    """The keyword arguments that are not None."""
+    return {k: v for k, v in values.items() if v is not None}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -364,19 +367,17 @@ def main(argv: list[str] | None = None) -> None:
     evaluate.add_argument("--moba-chunk-size", type=int, default=None, help="evaluate with another chunk size")
     evaluate.add_argument("--moba-top-k", type=int, default=None, help="evaluate with another top-k")
     args = parser.parse_args(argv)
-    module, data = load_checkpoint(args.ckpt)
-    data.eval_lengths = args.lengths or data.eval_lengths
-    data.eval_depths = args.depths or data.eval_depths
-    data.eval_samples = args.samples or data.eval_samples
+    model, data = load_run(
+        args.ckpt,
+        given(moba_chunk_size=args.moba_chunk_size, moba_top_k=args.moba_top_k),
+        given(eval_lengths=args.lengths, eval_depths=args.depths, eval_samples=args.samples),
+    )
     if args.attention:
-        module.model.set_attention_override(args.attention)
-    cfg = module.config  # shared with every attention layer, so overriding it here takes effect
-    cfg.moba_chunk_size = args.moba_chunk_size or cfg.moba_chunk_size
-    cfg.moba_top_k = args.moba_top_k or cfg.moba_top_k
-    kinds = module.model.layer_attention()
+        model.set_attention_override(args.attention)
+    cfg, kinds = model.config, model.layer_attention()
     routing = "" if "moba" not in kinds else f", chunk {cfg.moba_chunk_size} top-{cfg.moba_top_k}"
     title = args.title or f"layers {'/'.join(kinds)}{routing}"
-    rows = evaluate_retrieval(module.model, data)
+    rows = evaluate_retrieval(model, data)
     out = write_report(rows, args.out, title)
     print(markdown_table(rows, title))
     print(f"wrote {out}/retrieval.md, retrieval.png, retrieval.json; task {asdict(data.task)}")

@@ -1,0 +1,54 @@
+"""The one loader of flexmoba checkpoints (generate, retrieval evaluation, benchmarks).
+
+A checkpoint is what ``flexmoba fit`` writes: a Lightning checkpoint whose
+``hyper_parameters["config"]`` holds the :class:`flexmoba.model.ModelConfig`, whose
+``state_dict`` keys start with ``model.`` and whose ``attention_override`` records a phase
+switch. A plain ``{"config": ..., "state_dict": ...}`` dict works too. Loading needs torch
+only, not Lightning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from flexmoba.model import GPT, ModelConfig
+
+
+def read_checkpoint(path: str | Path) -> dict:
+    """The checkpoint's dict, on CPU."""
+    # Our own checkpoints pickle a ModelConfig, which weights-only loading refuses.
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def checkpoint_config(checkpoint: dict) -> ModelConfig:
+    """The model config a checkpoint was trained with."""
+    config = checkpoint.get("hyper_parameters", {}).get("config", checkpoint.get("config"))
+    if config is None:
+        raise ValueError("checkpoint holds no model config (expected hyper_parameters['config'] or 'config')")
+    if isinstance(config, ModelConfig):
+        return config
+    if isinstance(config, dict):  # plain fields, or a YAML-style {class_path, init_args}
+        return ModelConfig(**{k: v for k, v in config.get("init_args", config).items() if not k.startswith("_")})
+    return ModelConfig(**vars(config))
+
+
+def load_model(checkpoint: str | Path | dict, device: str | torch.device = "cpu", **overrides) -> GPT:
+    """The checkpoint's :class:`GPT` on ``device``, in eval mode, with its attention override.
+
+    Args:
+        checkpoint: a path, or a dict from :func:`read_checkpoint`.
+        overrides: :class:`ModelConfig` fields to change before the model is built, e.g.
+            ``moba_top_k=4`` to evaluate with another top-k (the weights do not depend on it).
+    """
+    if not isinstance(checkpoint, dict):
+        checkpoint = read_checkpoint(checkpoint)
+    config = dataclasses.replace(checkpoint_config(checkpoint), **overrides)
+    state = checkpoint.get("state_dict", checkpoint)
+    model_state = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
+    model = GPT(config)
+    model.load_state_dict(model_state or state)
+    model.set_attention_override(checkpoint.get("attention_override"))
+    return model.eval().to(device)
