@@ -1,4 +1,4 @@
-"""Attention speed of MoBA's backends against full causal attention (performance issue).
+"""Attention speed of MoBA's backends against full causal attention.
 
 For each S and MoBA config (chunk/top-k), times the forward, and forward+backward where
 the device allows (flex has no CPU backward), of:
@@ -18,10 +18,11 @@ the gating + mask alone. The causal flex mask is static, so it is built once, ou
 timing. speedup = sdpa_causal time / time. FLOP ideal = causal (query, key) pairs / pairs
 MoBA attends, from the real selection. achieved = forward speedup / ideal. Block density
 = blocks the flex kernel visits / causal blocks; visited/attended = (query, key) pairs in
-those blocks / pairs MoBA attends (1.0 is perfectly sparse; the sink key's block excluded). Peak memory: extra memory during one call
-over what was live before it (CUDA: max_memory_allocated; CPU Linux: resident memory high
--water mark, VmHWM, reset through /proc/self/clear_refs, with glibc told to map and unmap
-every allocation >= 1 MiB during that call so that freed memory is not silently reused).
+those blocks / pairs MoBA attends (1.0 is perfectly sparse; the sink key's block excluded).
+Peak memory: extra memory during one call over what was live before it
+(:func:`benchmarks.common.peak_extra_mb`). With ``--inputs checkpoint``, q/k/v are each
+layer's own (:func:`flexmoba.model.capture_attention_inputs` on Python source bytes) and a
+second table gives the locality of the real selections.
 
     python -m benchmarks.attention [--seq-lens 2048 4096] [--configs 512:3 4096:12] [--repeats 3]
     python -m benchmarks.attention --inputs checkpoint --ckpt runs/moba/checkpoints/last.ckpt
@@ -30,24 +31,31 @@ every allocation >= 1 MiB during that call so that freed memory is not silently 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
-from benchmarks.checkpoint_inputs import LOCALITY_COLUMNS, capture_qkv, load_model, locality
-from benchmarks.common import markdown_table, median_seconds, write_report
-from benchmarks.mask_build import block_density
+from benchmarks.common import (
+    BLOCK,
+    attended_pairs,
+    block_density,
+    capture_qkv,
+    causal_block_mask,
+    load_checkpoint_model,
+    markdown_table,
+    median_seconds,
+    peak_extra_mb,
+    print_row,
+    settle_malloc,
+    write_report,
+)
 from flexmoba import compiled_flex_attention, moba_attention, select_chunks, selection_block_mask
-from flexmoba.block_mask import key_intervals
 from flexmoba.flex_plan import plan_from_selection
 from flexmoba.gather import gather_moba_attention
 from flexmoba.masks import dense_moba_mask
@@ -57,17 +65,27 @@ METHODS = ("sdpa_causal", "full_flex_causal", "moba_flex", "moba_flex_union", "m
 BASELINES = ("sdpa_causal", "full_flex_causal")
 CPU_SEQ_LENS = [2048, 4096, 8192, 16384, 32768]
 CUDA_SEQ_LENS = [4096, 16384, 65536, 131072, 262144]
-BLOCK = 128
+DISTANCE_BINS = [(1, 1), (2, 2), (3, 3), (4, 4), (5, 8), (9, 16), (17, 32), (33, None)]
 
 COLUMNS = [
     ("seq_len", "S"), ("config", "chunk/top-k"), ("method", "method"),
     ("fwd_ms", "fwd (ms)"), ("kernel_ms", "kernel (ms)"), ("build_ms", "build (ms)"),
     ("fwd_bwd_ms", "fwd+bwd (ms)"), ("speedup_fwd", "speedup fwd"), ("speedup_kernel", "speedup kernel"),
     ("speedup_fwd_bwd", "speedup fwd+bwd"), ("flop_ideal", "FLOP ideal"), ("achieved", "achieved"),
-    ("block_density", "block density"), ("visited_ratio", "visited/attended"), ("peak_fwd_mb", "peak fwd (MB)"), ("peak_fwd_bwd_mb", "peak fwd+bwd (MB)"),
-    ("note", "note"),
+    ("block_density", "block density"), ("visited_ratio", "visited/attended"), ("peak_fwd_mb", "peak fwd (MB)"),
+    ("peak_fwd_bwd_mb", "peak fwd+bwd (MB)"), ("note", "note"),
 ]
 
+
+def bin_label(lo: int, hi: int | None) -> str:
+    return f"d{lo}" if hi == lo else (f"d{lo}+" if hi is None else f"d{lo}-{hi}")
+
+
+LOCALITY_COLUMNS = [
+    ("inputs", "inputs"), ("layer", "layer"), ("seq_len", "S"), ("chunk_size", "chunk"), ("top_k", "top-k"),
+    ("mean_distance", "mean distance"), ("frac_prev", "frac prev chunk"),
+    ("frac_prev_uniform", "frac prev (uniform)"),
+] + [(bin_label(lo, hi), bin_label(lo, hi)) for lo, hi in DISTANCE_BINS]
 
 
 @dataclass
@@ -96,35 +114,43 @@ class Runner:
     visited: int | None = None  # (query, key) pairs in the blocks a flex kernel visits
 
 
-# -- masks and FLOPs ------------------------------------------------------------------------
-
-
-def causal_mask_mod(b, h, q_idx, kv_idx):
-    return kv_idx <= q_idx
-
-
-def causal_block_mask(seq_len: int, device, block: int = BLOCK) -> BlockMask:
-    """Causal ``BlockMask`` from int32 tables, no ``S x S`` tensor: diagonal blocks partial, below full."""
-    n = -(-seq_len // block)
-    rows = torch.arange(n, device=device, dtype=torch.int32)
-    kv_num = torch.ones(1, 1, n, device=device, dtype=torch.int32)
-    kv_idx = torch.zeros(1, 1, n, n, device=device, dtype=torch.int32)
-    kv_idx[..., 0] = rows
-    full_num = rows.view(1, 1, n).clone()
-    full_idx = rows.view(1, 1, 1, n).expand(1, 1, n, n).contiguous()
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(block, block),
-                                    mask_mod=causal_mask_mod, seq_lengths=(seq_len, seq_len))
-
-
-def attended_pairs(selection) -> int:
-    starts, ends = key_intervals(selection)
-    return int((ends - starts).clamp(min=0).sum())
+# -- FLOPs and locality ---------------------------------------------------------------------
 
 
 def flop_ideal(selection, seq_len: int) -> float:
     """Causal (query, key) pairs / pairs the selection attends, over all batches and heads."""
     B, H = selection.chunks.shape[:2]
     return B * H * seq_len * (seq_len + 1) / 2 / attended_pairs(selection)
+
+
+@torch.no_grad()
+def locality(q: torch.Tensor, k: torch.Tensor, chunk_size: int, top_k: int) -> dict:
+    """How far back MoBA's selected past chunks are, for ``q: [B, H, S, D]``, ``k: [B, H_kv, S, D]``.
+
+    distance = own chunk - selected chunk (>= 1). Returns the mean distance, the fraction of
+    selected past chunks at distance 1 (the immediately preceding chunk), that fraction if
+    each query picked its past chunks uniformly at random, and a histogram (fractions of
+    the selected past chunks per distance bin).
+    """
+    sel = select_chunks(q, k, chunk_size=chunk_size, top_k=top_k)
+    own = sel.layout.local_chunk[:, None, :, None]  # [B, 1, S, 1]
+    dist = (own - sel.past_chunks)[sel.past_valid].float()
+    n = max(dist.numel(), 1)
+    # Uniform baseline: a query with m past chunks picks min(top_k - 1, m) of them, the
+    # preceding one with probability min(top_k - 1, m) / m; as a share of all picks:
+    m = sel.layout.local_chunk.float()  # [B, S]
+    picks = m.clamp(max=top_k - 1)
+    uniform = float((picks / m.clamp(min=1)).sum() / picks.sum().clamp(min=1))
+    row = {
+        "chunk_size": chunk_size, "top_k": top_k, "selected_past": int(dist.numel()),
+        "mean_distance": float(dist.mean()) if dist.numel() else 0.0,
+        "frac_prev": float((dist == 1).sum() / n),
+        "frac_prev_uniform": uniform,
+    }
+    for lo, hi in DISTANCE_BINS:
+        in_bin = (dist >= lo) & (dist <= (hi if hi is not None else float("inf")))
+        row[bin_label(lo, hi)] = float(in_bin.sum() / n)
+    return row
 
 
 def union_visited_area(block_mask: BlockMask, heads: int) -> int:
@@ -144,7 +170,7 @@ def expand_kv(q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 
 def baseline_runner(case: Case) -> Runner:
-    q, k, v = case.q, case.k, case.v
+    q = case.q
     if case.method == "sdpa_causal":
         def forward(q, k, v):
             return F.scaled_dot_product_attention(q, expand_kv(q, k), expand_kv(q, v), is_causal=True)
@@ -203,60 +229,6 @@ def moba_runner(case: Case) -> Runner:
 
 
 # -- measuring ------------------------------------------------------------------------------
-
-
-def _proc_status_kb(field: str) -> int:
-    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
-
-
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
-
-
-def _mallopt(mmap_threshold: int, trim_threshold: int) -> bool:
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold) and libc.mallopt(M_TRIM_THRESHOLD, trim_threshold))
-    except (OSError, AttributeError):
-        return False
-
-
-def settle_malloc() -> None:
-    """Fix glibc at the thresholds a warm process reaches anyway (32 MiB mmap, 64 MiB trim),
-    so every row is timed under the same allocator behaviour (call once, on CPU)."""
-    _mallopt(32 << 20, 64 << 20)
-
-
-@contextlib.contextmanager
-def uncached_malloc():
-    """Make glibc map every allocation >= 1 MiB afresh and give it back on free, so that
-    resident memory follows the tensors alive (else freed memory is reused unseen)."""
-    changed = _mallopt(1 << 20, 1 << 20)
-    if changed:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    try:
-        yield
-    finally:
-        if changed:
-            settle_malloc()
-
-
-def peak_extra_mb(fn: Callable[[], object], device) -> float | None:
-    """Extra memory at the peak of one ``fn()`` call over what was in use before it; None if unknown."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fn()
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / 2**20
-    try:
-        with uncached_malloc():
-            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-            base = _proc_status_kb("VmRSS")
-            fn()
-            return (_proc_status_kb("VmHWM") - base) / 1024
-    except (OSError, AttributeError, ValueError):
-        return None
 
 
 def forward_backward(forward: Callable, q, k, v) -> Callable[[], None]:
@@ -330,7 +302,8 @@ def add_ratios(row: dict, reference: dict | None) -> None:
 def random_inputs(seq_len: int, args, device, dtype) -> tuple[torch.Tensor, ...]:
     """q ``[B, H, S, D]``, k/v ``[B, H_kv, S, D]``, standard normal."""
     gen = torch.Generator().manual_seed(seq_len)
-    shapes = [(args.batch, args.heads, seq_len, args.head_dim)] + [(args.batch, args.kv_heads, seq_len, args.head_dim)] * 2
+    kv_shape = (args.batch, args.kv_heads, seq_len, args.head_dim)
+    shapes = [(args.batch, args.heads, seq_len, args.head_dim), kv_shape, kv_shape]
     return tuple(torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in shapes)
 
 
@@ -352,7 +325,8 @@ def parse_args(argv=None):
     p.add_argument("--seq-lens", type=int, nargs="+",
                    help=f"sequence lengths S (default: {CPU_SEQ_LENS} on CPU, {CUDA_SEQ_LENS} on CUDA)")
     p.add_argument("--configs", nargs="+",
-                   help="MoBA chunk:top_k pairs for every S, e.g. 512:3 4096:12 (default: 512:3, plus 4096:12 for S >= 64K)")
+                   help="MoBA chunk:top_k pairs for every S, e.g. 512:3 4096:12 "
+                        "(default: 512:3, plus 4096:12 for S >= 64K)")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, help="what to time (default: all)")
     p.add_argument("--inputs", choices=("random", "checkpoint"), default="random",
                    help="q/k/v: standard normal, or captured from --ckpt (default: random)")
@@ -371,7 +345,8 @@ def parse_args(argv=None):
     p.add_argument("--dense-max-seq", type=int, default=32768 if cuda else 16384,
                    help="skip moba_sdpa (dense S x S mask) above this S (default: 16384 on CPU, 32768 on CUDA)")
     p.add_argument("--gather-cap-gb", type=float, default=None,
-                   help="skip moba_gather when its estimated memory exceeds this (default: 40%% of GPU memory, 16 on CPU)")
+                   help="skip moba_gather when its estimated memory exceeds this "
+                        "(default: 40%% of GPU memory, 16 on CPU)")
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds; rows that would start later are reported as skipped (default: none)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="report folder")
@@ -393,7 +368,7 @@ class Inputs:
         self.args, self.device, self.dtype = args, device, dtype
         self.model = None
         if args.inputs == "checkpoint":
-            self.model = load_model(args.ckpt, device)
+            self.model = load_checkpoint_model(args.ckpt, device)
             cfg = self.model.config
             print(f"checkpoint {args.ckpt}: {cfg}", flush=True)
             if not 0 <= args.layer < cfg.n_layers:
@@ -464,7 +439,7 @@ def main(argv=None) -> None:
                 reference = row
             add_ratios(row, reference)
             rows.append(row)
-            print(markdown_table([row], COLUMNS).splitlines()[-1], flush=True)
+            print_row(row, COLUMNS)
             report(rows, localities, args, device.type)
         del q, k, v
     path = report(rows, localities, args, device.type)

@@ -1,16 +1,29 @@
-"""Timing, machine description and report writing shared by the benchmarks."""
+"""What the benchmarks share: timing, peak memory, reports, causal and MoBA block counts,
+and q/k/v captured from a trained checkpoint."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import platform
+import re
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from flexmoba.block_mask import key_intervals
+from flexmoba.model import GPT, capture_attention_inputs
+from lit.checkpoint import load_model
+
+BLOCK = 128  # flex block size of the benchmarks
+
+# -- timing and memory -------------------------------------------------------------------
 
 
 def median_seconds(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> float:
@@ -27,6 +40,68 @@ def median_seconds(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) 
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def _proc_status_kb(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+
+
+def _mallopt(mmap_threshold: int, trim_threshold: int) -> bool:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold) and libc.mallopt(M_TRIM_THRESHOLD, trim_threshold))
+    except (OSError, AttributeError):
+        return False
+
+
+def settle_malloc() -> None:
+    """Fix glibc at the thresholds a warm process reaches anyway (32 MiB mmap, 64 MiB trim),
+    so every row is timed under the same allocator behaviour (call once, on CPU)."""
+    _mallopt(32 << 20, 64 << 20)
+
+
+@contextlib.contextmanager
+def uncached_malloc():
+    """Make glibc map every allocation >= 1 MiB afresh and give it back on free, so that
+    resident memory follows the tensors alive (else freed memory is reused unseen)."""
+    changed = _mallopt(1 << 20, 1 << 20)
+    if changed:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    try:
+        yield
+    finally:
+        if changed:
+            settle_malloc()
+
+
+def peak_extra_mb(fn: Callable[[], object], device) -> float | None:
+    """Extra memory at the peak of one ``fn()`` call over what was in use before it; None if unknown.
+
+    CUDA: ``max_memory_allocated``. CPU (Linux): the resident high-water mark VmHWM, reset
+    through ``/proc/self/clear_refs``, with glibc told to map and unmap every allocation
+    >= 1 MiB during the call so that freed memory is not silently reused.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    try:
+        with uncached_malloc():
+            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+            base = _proc_status_kb("VmRSS")
+            fn()
+            return (_proc_status_kb("VmHWM") - base) / 1024
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
+# -- reports -----------------------------------------------------------------------------
 
 
 def machine() -> dict:
@@ -72,3 +147,74 @@ def finish_report(name: str, rows: list[dict], columns: list[tuple[str, str]], o
     print(table)
     print(f"written to {path}")
     return path
+
+
+# -- masks and attended pairs ------------------------------------------------------------
+
+
+def causal_mask_mod(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+def causal_block_mask(seq_len: int, device, block: int = BLOCK) -> BlockMask:
+    """Causal ``BlockMask`` from int32 tables, no ``S x S`` tensor: diagonal blocks partial, below full."""
+    n = -(-seq_len // block)
+    rows = torch.arange(n, device=device, dtype=torch.int32)
+    kv_num = torch.ones(1, 1, n, device=device, dtype=torch.int32)
+    kv_idx = torch.zeros(1, 1, n, n, device=device, dtype=torch.int32)
+    kv_idx[..., 0] = rows
+    full_num = rows.view(1, 1, n).clone()
+    full_idx = rows.view(1, 1, 1, n).expand(1, 1, n, n).contiguous()
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(block, block),
+                                    mask_mod=causal_mask_mod, seq_lengths=(seq_len, seq_len))
+
+
+def block_density(block_mask: BlockMask, seq_len: int) -> float:
+    """Fraction of the causal lower triangle's blocks the kernel visits."""
+    visited = (block_mask.kv_num_blocks + block_mask.full_kv_num_blocks).float().sum()
+    n = -(-seq_len // block_mask.BLOCK_SIZE[0])
+    causal_blocks = n * (n + 1) / 2 * block_mask.kv_num_blocks.shape[0] * block_mask.kv_num_blocks.shape[1]
+    return float(visited / causal_blocks)
+
+
+def attended_pairs(selection) -> int:
+    """(query, key) pairs a MoBA selection attends, over all batches and heads."""
+    starts, ends = key_intervals(selection)
+    return int((ends - starts).clamp(min=0).sum())
+
+
+# -- inputs from a trained checkpoint ----------------------------------------------------
+
+
+def load_checkpoint_model(path: str | Path, device: torch.device) -> GPT:
+    """A flexmoba checkpoint's model; on CPU through the gather backend (same math, and no flex
+    kernels compiled just to run the model)."""
+    return load_model(path, device, **({"moba_backend": "gather"} if device.type == "cpu" else {}))
+
+
+def corpus_tokens(seq_len: int) -> torch.Tensor:
+    """``[1, S]`` byte tokens of Python source (the training corpus), held-out files first."""
+    try:
+        from lit.data import default_corpus_dir, list_python_files, split_of
+
+        root = default_corpus_dir()
+        files = list_python_files(root)
+        files.sort(key=lambda f: split_of(f[0], 0.05, 0.05) == "train")  # val/test files first
+        paths = [os.path.join(root, rel) for rel, _ in files]
+    except ImportError:  # Lightning not installed: any Python files next to torch will do
+        paths = sorted(str(p) for p in Path(torch.__file__).parent.rglob("*.py"))
+    data = bytearray()
+    for p in paths:
+        if len(data) >= seq_len:
+            break
+        data += Path(p).read_bytes()
+    if len(data) < seq_len:
+        raise ValueError(f"corpus has only {len(data)} bytes, need {seq_len}")
+    return torch.tensor(list(data[:seq_len]), dtype=torch.long)[None]
+
+
+@torch.no_grad()
+def capture_qkv(model: GPT, seq_len: int, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer ``(q [1, H, S, D], k [1, H_kv, S, D], v [1, H_kv, S, D])`` of the model on corpus bytes."""
+    tokens = corpus_tokens(seq_len).to(device)
+    return [tuple(x.contiguous() for x in qkv) for qkv in capture_attention_inputs(model, tokens)]

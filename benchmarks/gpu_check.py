@@ -24,7 +24,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from benchmarks.attention import causal_block_mask
+from benchmarks.common import causal_block_mask
 from flexmoba import compiled_flex_attention, moba_attention, moba_reference
 
 # (B, H, H_kv, S, D, chunk, top_k, granularity, documents)
@@ -65,10 +65,10 @@ def outputs_and_grads(fn, q, k, v, grad, backward: bool) -> list[torch.Tensor]:
 
 
 def check(name: str, got: list[torch.Tensor], ref: list[torch.Tensor], tol: float) -> bool:
-    errors = [relative_error(g, r) for g, r in zip(got, ref)]
+    errors = [relative_error(g, r) for g, r in zip(got, ref, strict=True)]
     ok = all(e <= tol for e in errors)
     labels = ["out", "dq", "dk", "dv"][: len(errors)]
-    detail = ", ".join(f"{lab} {e:.2e}" for lab, e in zip(labels, errors))
+    detail = ", ".join(f"{lab} {e:.2e}" for lab, e in zip(labels, errors, strict=True))
     print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail} (tol {tol:.0e})", flush=True)
     return ok
 
@@ -80,7 +80,8 @@ def check_shape(shape, dtype_name: str, device, backward: bool) -> bool:
     grad = torch.randn_like(q)
     kw = dict(chunk_size=chunk, top_k=top_k, granularity=granularity, document_ids=doc)
     tol = TOLERANCE[dtype_name]
-    name = f"{dtype_name} B{B} H{H}/{H_kv} S{S} D{D} chunk {chunk} top-k {top_k} {granularity}" + (" docs" if documents else "")
+    name = f"{dtype_name} B{B} H{H}/{H_kv} S{S} D{D} chunk {chunk} top-k {top_k} {granularity}"
+    name += " docs" if documents else ""
 
     def flex(q, k, v):
         return moba_attention(q, k, v, backend="flex", **kw)

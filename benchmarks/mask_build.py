@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import finish_report, median_seconds, print_row
+from benchmarks.common import block_density, finish_report, median_seconds, print_row
 from flexmoba import compiled_flex_attention, moba_block_mask, moba_flex_plan
 
 COLUMNS = [
@@ -24,14 +24,6 @@ COLUMNS = [
     ("flex_ms", "flex attention (ms)"), ("build_share", "build / attention"),
     ("sdpa_causal_ms", "SDPA causal (ms)"), ("block_density", "block density"),
 ]
-
-
-def block_density(block_mask, seq_len: int) -> float:
-    """Fraction of the causal lower triangle's blocks the kernel visits."""
-    visited = (block_mask.kv_num_blocks + block_mask.full_kv_num_blocks).float().sum()
-    n = -(-seq_len // block_mask.BLOCK_SIZE[0])
-    causal_blocks = n * (n + 1) / 2 * block_mask.kv_num_blocks.shape[0] * block_mask.kv_num_blocks.shape[1]
-    return float(visited / causal_blocks)
 
 
 def measure(seq_len: int, granularity, heads: int, head_dim: int, chunk_size: int, top_k: int, repeats: int) -> dict:

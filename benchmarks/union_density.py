@@ -22,10 +22,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.checkpoint_inputs import capture_qkv, load_model
-from benchmarks.common import finish_report, print_row
+from benchmarks.common import BLOCK, attended_pairs, capture_qkv, finish_report, load_checkpoint_model, print_row
 from flexmoba import select_chunks, selection_block_mask
-from flexmoba.block_mask import key_intervals
 from flexmoba.flex_plan import plan_from_selection
 
 COLUMNS = [
@@ -33,24 +31,22 @@ COLUMNS = [
     ("union_density", "union density"), ("union_visited", "union visited/attended"),
     ("regrouped_visited", "regrouped visited/attended"), ("flop_ideal", "FLOP ideal"),
 ]
-KEY_BLOCK = 128
 
 
 @torch.no_grad()
 def layer_rows(q, k, chunk_size: int, top_k: int, tiles: list[int]) -> list[dict]:
     B, H, S, _ = q.shape
     selection = select_chunks(q, k, chunk_size=chunk_size, top_k=top_k)
-    starts, ends = key_intervals(selection)
-    attended = int((ends - starts).clamp(min=0).sum())
-    plan = plan_from_selection(selection, k.shape[1], block_size=KEY_BLOCK)
+    attended = attended_pairs(selection)
+    plan = plan_from_selection(selection, k.shape[1], block_size=BLOCK)
     rows = []
     for tile in tiles:
-        mask = selection_block_mask(selection, (tile, KEY_BLOCK), compute_q_blocks=False)
+        mask = selection_block_mask(selection, (tile, BLOCK), compute_q_blocks=False)
         blocks = int(mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum())
-        n_tiles, n_blocks = -(-S // tile), -(-S // KEY_BLOCK)
-        causal = B * H * sum(min(n_blocks, (t * tile + tile - 1) // KEY_BLOCK + 1) for t in range(n_tiles))
+        n_tiles, n_blocks = -(-S // tile), -(-S // BLOCK)
+        causal = B * H * sum(min(n_blocks, (t * tile + tile - 1) // BLOCK + 1) for t in range(n_tiles))
         rows.append(dict(seq_len=S, config=f"{chunk_size}/{top_k}", tile=tile, union_density=blocks / causal,
-                         union_visited=blocks * tile * KEY_BLOCK / attended,
+                         union_visited=blocks * tile * BLOCK / attended,
                          regrouped_visited=plan.visited_area() / attended,
                          flop_ideal=B * H * S * (S + 1) / 2 / attended))
     return rows
@@ -67,7 +63,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     if args.ckpt is not None:
-        model = load_model(args.ckpt, torch.device("cpu"))
+        model = load_checkpoint_model(args.ckpt, torch.device("cpu"))
         layers = capture_qkv(model, args.seq_len, torch.device("cpu"))
         chunk, top_k, inputs = model.config.moba_chunk_size, model.config.moba_top_k, "checkpoint"
     else:
