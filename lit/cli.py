@@ -28,7 +28,6 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lit.data import PythonSourceData
 from lit.module import LitLM
 
-
 # PythonSourceData resumes mid-epoch through its own state_dict (see lit/data.py); Lightning's
 # check only looks at the DataLoader, so its warning would be wrong here.
 warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")

@@ -133,7 +133,8 @@ def train_one(args: argparse.Namespace, attention: str, run_dir: Path, data: Pyt
 
 
 def window_losses(result: dict) -> list[float]:
-    return [result["final"].get(f"val/loss_pos_{start:06d}_{end:06d}", float("nan")) for start, end in result["windows"]]
+    final = result["final"]
+    return [final.get(f"val/loss_pos_{start:06d}_{end:06d}", float("nan")) for start, end in result["windows"]]
 
 
 def markdown_report(args: argparse.Namespace, results: list[dict], fingerprint: str | None) -> str:
@@ -178,7 +179,7 @@ def plot(results: list[dict], run_dir: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in results:
-        steps, losses = zip(*r["val_history"]) if r["val_history"] else ((), ())
+        steps, losses = zip(*r["val_history"], strict=True) if r["val_history"] else ((), ())
         ax.plot(steps, losses, marker="o", label=r["attention"])
     ax.set(xlabel="step", ylabel="validation loss (nats/byte)", title="Validation loss during training")
     ax.legend()

@@ -142,7 +142,7 @@ def sequence_starts(offsets: np.ndarray, seq_len: int, pad_short_docs: bool) -> 
     becomes one more sequence, padded later.
     """
     starts, lengths = [], []
-    for begin, end in zip(offsets[:-1], offsets[1:]):
+    for begin, end in zip(offsets[:-1], offsets[1:], strict=True):
         n_full = max(0, (end - begin - 1) // seq_len)
         for i in range(n_full):
             starts.append(begin + i * seq_len)
@@ -175,6 +175,11 @@ class ByteSequences(Dataset):
         return inputs, targets
 
 
+def world_and_rank() -> tuple[int, int]:
+    """``(processes, this rank)`` of the default process group, ``(1, 0)`` without one."""
+    return (dist.get_world_size(), dist.get_rank()) if dist.is_available() and dist.is_initialized() else (1, 0)
+
+
 class ResumableSampler(DistributedSampler):
     """DistributedSampler (shuffle by seed + epoch, one shard per rank) that can skip the
     batches of an epoch already trained on, so a run resumed mid-epoch sees the same data
@@ -182,7 +187,7 @@ class ResumableSampler(DistributedSampler):
     """
 
     def __init__(self, dataset: Dataset, *, shuffle: bool, seed: int, drop_last: bool = False):
-        world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_available() and dist.is_initialized() else (1, 0)
+        world, rank = world_and_rank()
         super().__init__(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self.skip: tuple[int, int] | None = None  # (epoch, samples of this rank to skip)
 
@@ -200,7 +205,7 @@ class EvalSampler(DistributedSampler):
     """
 
     def __init__(self, dataset: Dataset):
-        world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_available() and dist.is_initialized() else (1, 0)
+        world, rank = world_and_rank()
         super().__init__(dataset, num_replicas=world, rank=rank, shuffle=False)
 
     def __iter__(self):

@@ -112,7 +112,7 @@ def gate_stats(model: GPT, tokens: torch.Tensor, needles: Needles | None = None)
     nontrivial = torch.arange(tokens.shape[1], device=tokens.device) >= chunk * top_k
     layout = chunk_layout(*tokens.shape, chunk, tokens.device)  # one for all layers
     stats = []
-    for kind, (q, k) in zip(model.layer_attention(), capture_queries_keys(model, tokens)):
+    for kind, (q, k) in zip(model.layer_attention(), capture_queries_keys(model, tokens), strict=True):
         recall = gate_recall(q, k, chunk_size=chunk, top_k=top_k)  # [B, H, S]
         per_head = recall[..., nontrivial].mean(dim=(0, 2)) if nontrivial.any() else recall.mean(dim=(0, 2))
         selection = select_chunks(q, k, chunk_size=chunk, top_k=top_k, layout=layout)
@@ -142,7 +142,7 @@ def plot_gate_stats(stats: list[LayerGateStats], path: str | Path, title: str = 
     if has_needles:
         heat_panels.append(("needle chunk selected by answer query", torch.stack([s.needle_hit for s in stats])))
         heat_panels.append(("... by a query of its chunk", torch.stack([s.needle_in_chunk for s in stats])))
-    for ax, (name, grid) in zip(axes, heat_panels):
+    for ax, (name, grid) in zip(axes, heat_panels, strict=False):
         image = ax.imshow(grid.numpy(), vmin=0, vmax=1, cmap="viridis", aspect="auto")
         for (i, j), value in np.ndenumerate(grid.numpy()):
             ax.text(j, i, f"{value:.2f}", ha="center", va="center", color="w", fontsize=8)
@@ -152,7 +152,7 @@ def plot_gate_stats(stats: list[LayerGateStats], path: str | Path, title: str = 
         ax.set_title(name)
         fig.colorbar(image, ax=ax)
     ax = axes[len(heat_panels)]
-    for label, s in zip(labels, stats):
+    for label, s in zip(labels, stats, strict=True):
         ax.plot(s.recall_by_position.numpy(), label=label)
     ax.set_xlabel("query position")
     ax.set_ylabel("gate recall")
@@ -160,7 +160,7 @@ def plot_gate_stats(stats: list[LayerGateStats], path: str | Path, title: str = 
     ax.set_title("recall by position")
     ax.legend(fontsize=7)
     ax = axes[-1]
-    for label, s in zip(labels, stats):
+    for label, s in zip(labels, stats, strict=True):
         counts = s.distances.float()
         share = counts / counts.sum().clamp(min=1)
         ax.plot(range(1, len(share)), share[1:].numpy(), marker="o", label=label)

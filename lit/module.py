@@ -112,7 +112,8 @@ class LitLM(L.LightningModule):
         loss = self.metrics[f"{stage}_loss"].compute()
         self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=True)
         self.log(f"{stage}/ppl", torch.exp(loss), sync_dist=True)
-        for (start, end), value in zip(self.windows, self.metrics[f"{stage}_windows"].compute().reshape(-1)):
+        window_losses = self.metrics[f"{stage}_windows"].compute().reshape(-1)
+        for (start, end), value in zip(self.windows, window_losses, strict=True):
             if torch.isfinite(value):
                 self.log(f"{stage}/loss_pos_{start:06d}_{end:06d}", value.float(), sync_dist=True)
         trailing = self.metrics[f"{stage}_trailing"].compute().reshape(-1)[0]

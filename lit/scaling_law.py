@@ -63,16 +63,16 @@ def fit_power_law(compute, loss, bootstrap: int = 0, seed: int = 0) -> PowerLaw:
         bootstrap: resample the points this many times for 95% intervals of a and b.
     """
     c = torch.as_tensor(compute, dtype=torch.float64).flatten()
-    l = torch.as_tensor(loss, dtype=torch.float64).flatten()
-    if c.numel() != l.numel():
-        raise ValueError(f"compute and loss must have the same length, got {c.numel()} and {l.numel()}")
+    y = torch.as_tensor(loss, dtype=torch.float64).flatten()
+    if c.numel() != y.numel():
+        raise ValueError(f"compute and loss must have the same length, got {c.numel()} and {y.numel()}")
     if c.numel() < 2:
         raise ValueError(f"a power law needs at least 2 points, got {c.numel()}")
-    if not (torch.isfinite(c).all() and torch.isfinite(l).all() and (c > 0).all() and (l > 0).all()):
+    if not (torch.isfinite(c).all() and torch.isfinite(y).all() and (c > 0).all() and (y > 0).all()):
         raise ValueError("compute and loss must be finite and positive to fit in log-log space")
     if torch.unique(c).numel() < 2:
         raise ValueError("compute must take at least 2 distinct values")
-    log_c, log_l = c.log(), l.log()
+    log_c, log_l = c.log(), y.log()
     log_a, b, se_log_a, se_b = _least_squares(log_c, log_l)
     a = math.exp(log_a)
     a_interval = b_interval = None

@@ -71,7 +71,7 @@ def fit_all(results: list[dict], keys: list[str], compute_key: str = "compute_6n
             points = [(r[compute_key], r["metrics"][key]) for r in runs if key in r["metrics"]]
             if len({c for c, _ in points}) < 2:
                 continue
-            compute, loss = zip(*points)
+            compute, loss = zip(*points, strict=True)
             laws[key, attention] = fit_power_law(compute, loss, bootstrap=bootstrap)
     return laws
 
@@ -117,13 +117,14 @@ def markdown(results, keys, laws, laws_total) -> str:
         "|---|" + "---|" * len(attentions),
     ]
     for key in keys[:2]:
-        lines.append(f"| {window_label(key)} | " + " | ".join(_law_cell(laws_total.get((key, a))) for a in attentions) + " |")
+        cells = [_law_cell(laws_total.get((key, a))) for a in attentions]
+        lines.append(f"| {window_label(key)} | " + " | ".join(cells) + " |")
     lines += ["", "## Runs", "", "| run | params (non-emb.) | tokens | C (6ND) | C (total) | loss | trailing |",
               "|---|---|---|---|---|---|---|"]
     for r in sorted(results, key=lambda r: (r["attention"], r["compute_6nd"])):
-        m = r["metrics"]
+        whole, trailing = (r["metrics"].get(key, float("nan")) for key in (WHOLE, TRAILING))
         lines.append(f"| {r['run']} | {r['params_non_embedding']:,} | {r['tokens']:,} | {r['compute_6nd']:.3g} | "
-                     f"{r['compute_total']:.3g} | {m.get(WHOLE, float('nan')):.4f} | {m.get(TRAILING, float('nan')):.4f} |")
+                     f"{r['compute_total']:.3g} | {whole:.4f} | {trailing:.4f} |")
     lines += ["", "![scaling](scaling.png)", ""]
     return "\n".join(lines)
 
@@ -135,14 +136,14 @@ def plot(results, keys, laws, path: Path, compute_key: str = "compute_6nd") -> N
     import matplotlib.pyplot as plt
 
     attentions = sorted({r["attention"] for r in results})
-    colors = {a: c for a, c in zip(attentions, ["tab:red", "tab:blue", "tab:green", "tab:purple"])}
+    colors = {a: c for a, c in zip(attentions, ["tab:red", "tab:blue", "tab:green", "tab:purple"], strict=False)}
     cols = min(4, len(keys))
     rows = math.ceil(len(keys) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
     compute = [r[compute_key] for r in results]
     lo, hi = min(compute) / PROJECTION_SPAN, max(compute) * PROJECTION_SPAN
     grid = [lo * (hi / lo) ** (i / 63) for i in range(64)]
-    for ax, key in zip(axes.flat, keys):
+    for ax, key in zip(axes.flat, keys, strict=False):
         for attention in attentions:
             runs = [r for r in results if r["attention"] == attention and key in r["metrics"]]
             ax.scatter([r[compute_key] for r in runs], [r["metrics"][key] for r in runs],

@@ -70,7 +70,7 @@ class SweepSpec:
     cli_args: list[str] = field(default_factory=list)
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "SweepSpec":
+    def from_yaml(cls, path: str | Path) -> SweepSpec:
         raw = yaml.safe_load(Path(path).read_text())
         if not isinstance(raw, dict):
             raise ValueError(f"sweep config {path} must be a mapping")
@@ -88,7 +88,7 @@ class SweepSpec:
             run.model_config()  # validates every size x attention combination up front
         return spec
 
-    def runs(self) -> list["Run"]:
+    def runs(self) -> list[Run]:
         return [Run(self, size, name) for size in self.sizes for name in self.attention]
 
 

@@ -10,7 +10,6 @@ import yaml
 
 from lit.cli import run_cli
 
-
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 MAIN_CONFIGS = ["moba.yaml", "full.yaml", "hybrid.yaml", "hybrid_phase.yaml"]
 DDP = ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu"]

@@ -55,7 +55,7 @@ def test_recall_matches_uniform_attention_by_hand(tmp_path):
     # top_k=1: a query "selects" the needle's chunk exactly when the needle is in its own chunk.
     val = RetrievalData(seq_len=SEQ, val_size=4, n_pairs=2, n_queries=2).dataset("val")
     same_chunk = [v // CHUNK == q // CHUNK for s in map(val.sample, range(4))
-                  for v, q in zip(s.value_positions, s.query_positions)]
+                  for v, q in zip(s.value_positions, s.query_positions, strict=False)]
     assert logged["gate/needle_hit_l0"] == pytest.approx(sum(same_chunk) / len(same_chunk)) != 1.0
 
 

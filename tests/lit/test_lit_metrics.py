@@ -109,7 +109,7 @@ def test_random_masks_match_a_loop_over_sequences():
     expected = []
     for start, end in windows:
         total, count = 0.0, 0
-        for row_loss, row_targets in zip(loss.tolist(), targets.tolist()):
+        for row_loss, row_targets in zip(loss.tolist(), targets.tolist(), strict=False):
             real = [t for t, target in enumerate(row_targets) if target != X]
             if not real or real[-1] < end - 1:
                 continue  # the sequence does not reach this window's end

@@ -165,7 +165,7 @@ def test_predict_returns_each_sequence_loss_and_its_greedy_continuation(tmp_path
     inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()
     targets[1, 40:] = IGNORE_INDEX  # a short (padded) sequence
     targets[2, 10:20] = IGNORE_INDEX  # ignored targets inside a sequence
-    loader = torch.utils.data.DataLoader(list(zip(inputs, targets)), batch_size=3)
+    loader = torch.utils.data.DataLoader(list(zip(inputs, targets, strict=False)), batch_size=3)
     (out,) = L.Trainer(**QUIET).predict(module, dataloaders=loader)
     with torch.no_grad():
         nll, valid = nll_by_hand(module.model(inputs), targets)

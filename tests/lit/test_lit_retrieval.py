@@ -10,13 +10,24 @@ import pytest
 import torch
 
 from lit.metrics import IGNORE_INDEX
-from lit.retrieval import (FILLER_BYTES, KEY_BYTES, VALUE_BYTES, RetrievalData, RetrievalDataset, RetrievalTask,
-                           answered, make_sample, markdown_table, to_example)
+from lit.retrieval import (
+    FILLER_BYTES,
+    KEY_BYTES,
+    VALUE_BYTES,
+    RetrievalData,
+    RetrievalDataset,
+    RetrievalTask,
+    answered,
+    make_sample,
+    markdown_table,
+    to_example,
+)
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "retrieval"
+TASK = RetrievalTask(n_pairs=6, n_queries=3, key_len=2, value_len=3)
 
 
-def sample(task=RetrievalTask(n_pairs=6, n_queries=3, key_len=2, value_len=3), length=200, depth=0.3, seed=0):
+def sample(task=TASK, length=200, depth=0.3, seed=0):
     return make_sample(task, length, depth, np.random.default_rng(seed))
 
 
@@ -52,7 +63,7 @@ def test_controls_are_respected():
     pairs_end = last.pair_start + task.n_pairs * task.item_len
     assert pairs_end == 300 + 1 - task.n_queries * task.item_len - 1  # flush against the queries' separator
     distances = [sample(task, 300, d).distances.mean() for d in (0.0, 0.25, 0.5, 0.75, 1.0)]
-    assert all(a > b for a, b in zip(distances, distances[1:]))  # deeper needle -> closer to the queries
+    assert all(a > b for a, b in zip(distances, distances[1:], strict=False))  # deeper needle -> closer to the queries
     keys = sample(task, 300).tokens
     assert np.isin(keys, KEY_BYTES).sum() == task.n_pairs + task.n_queries  # key_len 1: one byte per item
     with pytest.raises(ValueError):
@@ -65,7 +76,7 @@ def test_same_seed_same_data_and_splits_differ():
     data, again = RetrievalData(seq_len=96, train_size=8), RetrievalData(seq_len=96, train_size=8)
     for split in ("train", "val", "test"):
         a, b = data.dataset(split), again.dataset(split)
-        assert all(torch.equal(x, y) for i in range(4) for x, y in zip(a[i], b[i]))
+        assert all(torch.equal(x, y) for i in range(4) for x, y in zip(a[i], b[i], strict=False))
     assert not torch.equal(data.dataset("train")[0][0], data.dataset("val")[0][0])
     assert not torch.equal(data.dataset("train")[0][0], RetrievalData(seq_len=96, seed=1).dataset("train")[0][0])
     fixed = RetrievalDataset(RetrievalTask(), 96, 4, seed=0, depths=[0.25])
@@ -74,7 +85,8 @@ def test_same_seed_same_data_and_splits_differ():
 
 def test_answered_metric_counts_whole_values():
     task = RetrievalTask(n_pairs=3, n_queries=2, value_len=2)
-    inputs, targets = (torch.stack(t) for t in zip(*[to_example(sample(task, 64, 0.5, seed)) for seed in (0, 1)]))
+    examples = [to_example(sample(task, 64, 0.5, seed)) for seed in (0, 1)]
+    inputs, targets = (torch.stack(t) for t in zip(*examples, strict=False))
 
     class Oracle(torch.nn.Module):  # predicts every target; breaks one value byte of row 1, query 0
         def forward(self, x):
