@@ -34,11 +34,12 @@ from flexmoba.masks import dense_moba_mask
 from flexmoba.gate import Selection, select_chunks
 from flexmoba.layout import ChunkLayout
 
-# CPU crossovers (2-core x86, fp32, chunk 512 / top-3; benchmarks.attention). Token
-# granularity: gather beats the regrouped flex plan (with its sink key) at every length,
-# and beats the dense-mask SDPA call once S > 2 * chunk_size * top_k. Tile granularity
-# without gradients: the union BlockMask is exactly sparse and fastest at length.
-CPU_GATHER_MIN_FACTOR = 2
+# CPU crossovers (2-core x86, fp32; benchmarks.attention and B=8 runs at 256-2048 tokens).
+# Token granularity: gather beats the regrouped flex plan (with its sink key) at every
+# length, and the dense-mask SDPA call from 512 tokens once some chunk can be skipped
+# (S > chunk_size * top_k). Tile granularity without gradients: the union BlockMask is
+# exactly sparse and fastest at length.
+CPU_GATHER_MIN_SEQ = 512
 CPU_TILE_FLEX_MIN_SEQ = 4096
 
 
@@ -92,8 +93,8 @@ def resolve_backend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
     ``auto``: ``flex`` off CPU. On CPU, the fastest exact backend measured for the call:
     tile granularity without gradients from ``CPU_TILE_FLEX_MIN_SEQ`` on, ``flex`` (compiled
-    once per shape); otherwise ``gather`` once ``S > CPU_GATHER_MIN_FACTOR * chunk_size *
-    top_k``, ``sdpa`` below.
+    once per shape); otherwise ``gather`` once ``S > chunk_size * top_k`` and
+    ``S >= CPU_GATHER_MIN_SEQ``, ``sdpa`` below.
     """
     backend = validation.check_backend(backend)
     if backend != AUTO:
@@ -103,7 +104,7 @@ def resolve_backend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     S = q.shape[2]
     if granularity != "token" and not needs_grad(q, k, v) and S >= CPU_TILE_FLEX_MIN_SEQ:
         return "flex"
-    return "gather" if S > CPU_GATHER_MIN_FACTOR * chunk_size * top_k else "sdpa"
+    return "gather" if S > chunk_size * top_k and S >= CPU_GATHER_MIN_SEQ else "sdpa"
 
 
 def moba_attention(

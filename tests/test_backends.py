@@ -12,7 +12,7 @@ import oracle
 from conformance_cases import load_cases
 from flexmoba import backend_names, moba_attention, moba_attention_varlen, register_backend
 from flexmoba import backends as backend_table
-from flexmoba.attention import CPU_TILE_FLEX_MIN_SEQ, resolve_backend
+from flexmoba.attention import CPU_GATHER_MIN_SEQ, CPU_TILE_FLEX_MIN_SEQ, resolve_backend
 from flexmoba.gate import Selection
 from strategies import problems, random_inputs
 
@@ -121,19 +121,24 @@ def inputs(S, grad=False, device="cpu"):
 LONG = CPU_TILE_FLEX_MIN_SEQ
 
 
-@pytest.mark.parametrize("S, grad, granularity, expected", [
-    (256, True, "token", "sdpa"),           # short: the dense mask is fastest
-    (256, False, "token", "sdpa"),
-    (2 * 64 * 3 + 1, True, "token", "gather"),  # long enough for sparsity
-    (2 * 64 * 3 + 1, False, "token", "gather"),
-    (LONG, False, "token", "gather"),       # gather beats the regrouped flex plan on CPU
-    (LONG, True, 16, "gather"),             # flex has no CPU backward
-    (LONG, False, 16, "flex"),              # tiles: the union mask is exactly sparse
-    (2 * 64 * 3 + 1, False, 16, "gather"),
+SHORT = CPU_GATHER_MIN_SEQ
+
+
+@pytest.mark.parametrize("S, chunk_size, grad, granularity, expected", [
+    (SHORT - 1, 64, True, "token", "sdpa"),      # short: the dense mask is fastest
+    (SHORT - 1, 64, False, "token", "sdpa"),
+    (SHORT, 64, True, "token", "gather"),        # long enough for the sparse path
+    (SHORT, 64, False, "token", "gather"),
+    (3 * SHORT, SHORT, True, "token", "sdpa"),   # every chunk selected: MoBA is causal attention
+    (3 * SHORT + 1, SHORT, True, "token", "gather"),
+    (LONG, 64, False, "token", "gather"),        # gather beats the regrouped flex plan on CPU
+    (LONG, 64, True, 16, "gather"),              # flex has no CPU backward
+    (LONG, 64, False, 16, "flex"),               # tiles: the union mask is exactly sparse
+    (SHORT, 64, False, 16, "gather"),
 ])
-def test_auto_routing_on_cpu(S, grad, granularity, expected):
+def test_auto_routing_on_cpu(S, chunk_size, grad, granularity, expected):
     q, k, v = inputs(S, grad)
-    assert resolve_backend("auto", q, k, v, chunk_size=64, top_k=3, granularity=granularity) == expected
+    assert resolve_backend("auto", q, k, v, chunk_size=chunk_size, top_k=3, granularity=granularity) == expected
 
 
 def test_auto_routing_without_grad_mode():
