@@ -145,20 +145,34 @@ COMPILED_CASES = [  # (B, H, H_kv, S, D, chunk_size, top_k, with documents)
 ]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", COMPILED_CASES, ids=str)
-def test_compiled_cpu_flex_with_sink_equals_oracle_without_recompiling(case):
+def compiled_case(case, seed):
     B, H, H_kv, S, D, chunk_size, top_k, documents = case
     ids = torch.tensor([[0] * (S // 3) + [1] * (S - S // 3 - 1) + [0]] * B) if documents else None
+    q, k, v = random_inputs(seed, B, H, H_kv, S, D)
+    return q, k, v, dict(chunk_size=chunk_size, top_k=top_k, document_ids=ids)
+
+
+@pytest.mark.slow
+@settings(max_examples=12)
+@given(st.sampled_from(COMPILED_CASES), st.integers(0, 2**31 - 1))
+def test_compiled_cpu_flex_with_sink_equals_oracle(case, seed):
+    q, k, v, kw = compiled_case(case, seed)
+    plan = moba_flex_plan(q, k, block_size=16, **kw)
+    assert plan.sink
+    with torch.no_grad():
+        got = plan.attention(q, k, v, flex=compiled_flex_attention())
+    torch.testing.assert_close(got.double(), oracle.attention(q, k, v, **kw), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", COMPILED_CASES, ids=str)
+def test_a_new_selection_of_one_shape_does_not_recompile(case):
     flex = compiled_flex_attention()
     for seed in range(3):
-        q, k, v = random_inputs(seed, B, H, H_kv, S, D)
-        plan = moba_flex_plan(q, k, chunk_size=chunk_size, top_k=top_k, document_ids=ids, block_size=16)
-        assert plan.sink
+        q, k, v, kw = compiled_case(case, seed)
+        plan = moba_flex_plan(q, k, block_size=16, **kw)
         with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=seed > 0):
-            got = plan.attention(q, k, v, flex=flex)
-        expected = oracle.attention(q, k, v, chunk_size, top_k, document_ids=ids)
-        torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+            plan.attention(q, k, v, flex=flex)
 
 
 def test_each_selected_pair_has_its_own_virtual_row_reading_its_chunk():
