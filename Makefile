@@ -15,6 +15,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 venv: $(VENV)/.installed
 
 test: venv
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests
 
 compare: venv

@@ -8,7 +8,7 @@ prefill), then each step appends one token and attends with it:
   keys with ``enable_gqa=True`` (how transformers' sdpa attention calls it);
 - dense (grouped): the same buffer, the 4 query heads of a KV head as 4 query rows of one
   SDPA call (flexmoba's dense decode; the faster dense on CPU);
-- MoBA: :class:`flexmoba.decode.MoBAKVCache` update (K/V, O(D) chunk state) and
+- MoBA: :class:`flexmoba.kv_cache.MoBAKVCache` update (K/V, O(D) chunk state) and
   :func:`flexmoba.decode.moba_decode_attention` (dense below ``chunk_size * top_k``).
 
 The three are timed in interleaved rounds in one process after a warm-up; ratios are the
@@ -120,13 +120,13 @@ def measure(args, seq_len: int) -> dict:
 
 def summarise(seq_len: int, times: dict[str, list[float]], args, err) -> dict:
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    best = [min(a, b) for a, b in zip(times["gqa"], times["grouped"])]
-    speedup = statistics.median(d / m for d, m in zip(best, times["moba"]))
+    best = [min(a, b) for a, b in zip(times["gqa"], times["grouped"], strict=True)]
+    speedup = statistics.median(d / m for d, m in zip(best, times["moba"], strict=True))
     keys = min(seq_len, args.top_k * args.chunk_size)
     ideal = seq_len / keys
     return dict(seq_len=seq_len, dense_gqa_ms=med["gqa"] * 1e3, dense_grouped_ms=med["grouped"] * 1e3,
                 moba_ms=med["moba"] * 1e3, moba_tok_s=1 / med["moba"], speedup=speedup,
-                speedup_gqa=statistics.median(d / m for d, m in zip(times["gqa"], times["moba"])),
+                speedup_gqa=statistics.median(d / m for d, m in zip(times["gqa"], times["moba"], strict=True)),
                 ideal=ideal, of_ideal=f"{100 * speedup / ideal:.0f}%", keys_attended=keys, max_err=err)
 
 

@@ -29,10 +29,10 @@ from flexmoba.backends import AUTO, get_backend, register_backend
 from flexmoba.block_mask import selection_block_mask
 from flexmoba.compiled_flex import compiled_flex_attention
 from flexmoba.flex_plan import plan_from_selection
-from flexmoba.gather import gather_moba_attention
-from flexmoba.masks import dense_moba_mask
 from flexmoba.gate import Selection, select_chunks
+from flexmoba.gather import gather_moba_attention
 from flexmoba.layout import ChunkLayout
+from flexmoba.masks import dense_moba_mask
 
 # CPU crossovers (2-core x86, fp32; benchmarks.attention and B=8 runs at 256-2048 tokens).
 # Token granularity: gather beats the regrouped flex plan (with its sink key) at every

@@ -14,7 +14,8 @@ them, made by :func:`flexmoba.attention.resolve_backend`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 

@@ -26,8 +26,8 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexmoba import validation
-from flexmoba.masks import moba_mask_mod
 from flexmoba.gate import Selection, select_chunks
+from flexmoba.masks import moba_mask_mod
 
 DEFAULT_BLOCK_SIZE = 128  # a multiple of the GPU kernel's tile; the CPU kernel takes any
 

@@ -208,7 +208,8 @@ def gate_step(q, keys, values, sums: ChunkKeySums, top_k: int, scale: float) -> 
     with torch.no_grad():
         scores = gate.scores_against_means(q.detach().float(), sums.means())  # [B, H, S_new, N]
         past, valid = gate.select_past_chunks(scores, own, top_k)
-    return DecodeStep(q, keys, values, sums, scale, q_pos, q_local, own, past, valid)
+    return DecodeStep(q=q, keys=keys, values=values, sums=sums, scale=scale,
+                      q_pos=q_pos, q_local=q_local, own=own, past=past, valid=valid)
 
 
 def _moba_rows(q, keys, values, sums: ChunkKeySums, top_k: int, scale: float, path: str) -> torch.Tensor:

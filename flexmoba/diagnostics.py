@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from flexmoba.masks import dense_moba_mask
 from flexmoba.gate import Selection, select_chunks
+from flexmoba.masks import dense_moba_mask
 
 
 @torch.no_grad()

@@ -36,8 +36,8 @@ device sync is involved).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -45,8 +45,8 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask
 
 from flexmoba.block_mask import DEFAULT_BLOCK_SIZE, interval_block_tables
 from flexmoba.compiled_flex import compiled_flex_attention
-from flexmoba.gather import selected_pairs
 from flexmoba.gate import Selection, select_chunks
+from flexmoba.gather import selected_pairs
 
 # Below this the sink's p carries too few significant bits to give LSE to fp32 precision.
 SINK_MIN_P = 1e-30

@@ -83,7 +83,7 @@ def past_pairs(selection: Selection, kv_heads: int) -> PastPairs:
     pair, sorted_key = pair[order], key[pair][order]
     keys, counts = torch.unique_consecutive(sorted_key, return_counts=True)
     segments, offset = [], 0
-    for key_value, count in zip(keys.tolist(), counts.tolist()):
+    for key_value, count in zip(keys.tolist(), counts.tolist(), strict=True):
         segments.append(Segment(offset, count, key_value // S, key_value % S, c))
         offset += count
     return PastPairs(pair // P, segments)
@@ -104,7 +104,7 @@ def own_segments(selection: Selection, heads: int, kv_heads: int) -> list[Segmen
     end = torch.where(row_ends, S, end)
     group = heads // kv_heads
     segments = []
-    for b_i, s_i, e_i in zip(b.tolist(), start.tolist(), end.tolist()):
+    for b_i, s_i, e_i in zip(b.tolist(), start.tolist(), end.tolist(), strict=True):
         for h in range(heads):
             row = b_i * heads + h
             segments.append(Segment(row * S + s_i, e_i - s_i, b_i * kv_heads + h // group, s_i, e_i - s_i))
@@ -176,10 +176,10 @@ def past_chunk_attention_backward(grad_out, q, k, v, out, lse, scale: float, blo
     given the merged ``out`` and ``lse`` of its queries."""
     dqs, dk, dv = [], 0, 0
     for first, batch, rows in _row_blocks(q.shape[0], block):
-        take = lambda x: x[first:first + batch * rows].view(batch, 1, rows, *x.shape[1:])  # noqa: E731
+        grad_b, q_b, out_b, lse_b = (x[first:first + batch * rows].view(batch, 1, rows, *x.shape[1:])
+                                     for x in (grad_out, q, out, lse))
         dq_p, dk_p, dv_p = dense_attention_backward(
-            take(grad_out), take(q), k.expand(batch, 1, *k.shape), v.expand(batch, 1, *v.shape),
-            take(out), take(lse), False, scale)
+            grad_b, q_b, k.expand(batch, 1, *k.shape), v.expand(batch, 1, *v.shape), out_b, lse_b, False, scale)
         dqs.append(dq_p.reshape(batch * rows, -1))
         dk, dv = dk + dk_p.sum((0, 1)), dv + dv_p.sum((0, 1))
     return torch.cat(dqs), dk, dv
@@ -267,8 +267,8 @@ def _own_forward(q, k, v, own: list[Segment] | None, chunk: int, scale: float):
     lse = torch.empty(B * H * S, device=q.device)
     for seg in own:
         rows = slice(seg.offset, seg.offset + seg.count)
-        o, l = dense_attention(q_rows[rows][None, None], *_keys(k_rows, v_rows, seg), True, scale)
-        out[rows], lse[rows] = o[0, 0], l[0, 0]
+        seg_out, seg_lse = dense_attention(q_rows[rows][None, None], *_keys(k_rows, v_rows, seg), True, scale)
+        out[rows], lse[rows] = seg_out[0, 0], seg_lse[0, 0]
     return out.view(B, H, S, Dv), lse.view(B, H, S)
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from flexmoba import validation
-from flexmoba.masks import dense_moba_mask
 from flexmoba.gate import select_chunks
+from flexmoba.masks import dense_moba_mask
 
 
 def moba_reference(

@@ -136,7 +136,7 @@ def check_cu_seqlens(cu_seqlens, total_tokens: int, device: torch.device) -> Non
     bounds = cu_seqlens.tolist()  # one small host read; flash-attn's varlen API does the same
     if bounds[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {bounds[0]}")
-    if any(b <= a for a, b in zip(bounds, bounds[1:])):
+    if any(b <= a for a, b in zip(bounds, bounds[1:], strict=False)):
         raise ValueError(f"cu_seqlens must be strictly increasing, got {bounds}")
     if bounds[-1] != total_tokens:
         raise ValueError(f"cu_seqlens must end at the number of tokens {total_tokens}, got {bounds[-1]}")

@@ -16,7 +16,7 @@ settings.register_profile(
 settings.register_profile("dev", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-from conformance_cases import require_vectors
+from conformance_cases import require_vectors  # noqa: E402 (after the profile is loaded)
 
 
 @pytest.fixture(scope="session")

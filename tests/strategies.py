@@ -45,11 +45,11 @@ class Problem:
         """:attr:`kwargs` plus the softmax ``scale`` (what attention backends and the oracle take)."""
         return dict(self.kwargs, scale=self.scale)
 
-    def but(self, **changes) -> "Problem":
+    def but(self, **changes) -> Problem:
         """A copy with ``changes`` applied."""
         return replace(self, **changes)
 
-    def to(self, dtype: torch.dtype) -> "Problem":
+    def to(self, dtype: torch.dtype) -> Problem:
         return self.but(q=self.q.to(dtype), k=self.k.to(dtype), v=self.v.to(dtype))
 
     def __repr__(self) -> str:
@@ -138,7 +138,7 @@ def document_runs(draw, seq_len: int, main: int = 1):
         label = draw(st.sampled_from([p for p in pool if p != previous]))
         ids.append(label)
         previous = label
-    return list(zip(ids, lengths))
+    return list(zip(ids, lengths, strict=True))
 
 
 @st.composite

@@ -6,9 +6,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import oracle
 from flexmoba import compiled_flex_attention, moba_attention, moba_block_mask, moba_reference, select_chunks
 from flexmoba.gather import gather_moba_attention
+
+import oracle
 from strategies import flex_problems, problems, with_examples
 
 # Every backend that runs on CPU with gradients; "reference" is moba_reference.
@@ -154,7 +155,7 @@ def test_differentiable_backends_have_reference_gradients(problem):
     expected = grads(moba_reference)
     tol = grad_tolerance(problem)
     for backend in ("sdpa", "gather", "auto"):
-        for got, want in zip(grads(moba_attention, backend=backend), expected):
+        for got, want in zip(grads(moba_attention, backend=backend), expected, strict=True):
             torch.testing.assert_close(got, want, atol=tol, rtol=1e-5)
 
 
@@ -177,7 +178,7 @@ def test_gather_unfused_path_equals_reference_with_gradients(problem):
     results = []
     for fused in (False, True):
         original = gather._fused_cpu
-        gather._fused_cpu = lambda q, fused=fused: fused and original(q)
+        gather._fused_cpu = lambda q, fused=fused, original=original: fused and original(q)
         try:
             inputs = [t.clone().requires_grad_() for t in (problem.q, problem.k, problem.v)]
             out = moba_attention(*inputs, backend="gather", **problem.attention_kwargs)
@@ -190,5 +191,5 @@ def test_gather_unfused_path_equals_reference_with_gradients(problem):
     (ref * grad_out).sum().backward()
     tol = grad_tolerance(problem)
     for result in results:
-        for got, want in zip(result, [ref] + [t.grad for t in inputs]):
+        for got, want in zip(result, [ref] + [t.grad for t in inputs], strict=True):
             torch.testing.assert_close(got, want, atol=tol, rtol=1e-5)

@@ -8,12 +8,13 @@ import torch
 from hypothesis import given
 from torch.nn.attention.flex_attention import flex_attention
 
-import oracle
-from conformance_cases import load_cases
 from flexmoba import backend_names, moba_attention, moba_attention_varlen, register_backend
 from flexmoba import backends as backend_table
 from flexmoba.attention import CPU_GATHER_MIN_SEQ, CPU_TILE_FLEX_MIN_SEQ, resolve_backend
 from flexmoba.gate import Selection
+
+import oracle
+from conformance_cases import load_cases
 from strategies import problems, random_inputs
 
 BUILT_IN = ("flex", "flex_union", "gather", "sdpa")

@@ -6,8 +6,9 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import flex_attention
 
-import oracle
 from flexmoba import compiled_flex_attention, moba_block_mask, moba_reference, moba_selection
+
+import oracle
 from strategies import EXAMPLES, FLEX_SHAPES, problems, random_inputs
 
 

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from flexmoba import moba_attention_varlen
+
 import conformance_cases
 from conformance_cases import FILES, N_CASES, REQUIRE_ENV, load_cases, missing_files, require_vectors, required
-from flexmoba import moba_attention_varlen
 
 CASES = load_cases()
 CASE_IDS = [case["name"] for case in CASES]
@@ -55,7 +56,7 @@ def test_differentiable_backends_match_official_forward_and_gradients(case, back
     out = run(case, backend, q, k, v)
     torch.testing.assert_close(out, case["out"], atol=OUT_TOL, rtol=0)
     (out * case["grad_out"]).sum().backward()
-    for name, tensor in zip("qkv", (q, k, v)):
+    for name, tensor in zip("qkv", (q, k, v), strict=True):
         torch.testing.assert_close(tensor.grad, case["d" + name], atol=GRAD_TOL, rtol=0, msg=f"d{name}")
 
 

@@ -4,10 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import oracle
 from flexmoba import decode, moba_reference
 from flexmoba.decode import moba_decode_attention
 from flexmoba.kv_cache import ChunkKeySums, MoBAKVCache
+
+import oracle
 
 CHUNK, TOP_K = 8, 3
 CUT = CHUNK * TOP_K  # up to this many cached positions, MoBA decode is dense attention
@@ -135,7 +136,8 @@ def test_left_padding_chunks_start_at_first_real_token(path):
     torch.testing.assert_close(out[1, :, 6:], ref[1, :, 6:], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("pieces", [[44], [26, 18], [1] * 44, [30] + [1] * 14], ids=["prefill", "chunked", "tokens", "mixed"])
+@pytest.mark.parametrize("pieces", [[44], [26, 18], [1] * 44, [30] + [1] * 14],
+                         ids=["prefill", "chunked", "tokens", "mixed"])
 @pytest.mark.parametrize("path", PATHS)
 def test_non_finite_padding_never_reaches_a_real_row(path, pieces):
     # Big pieces take the masked path, single tokens the gathered ones, short contexts the

@@ -6,9 +6,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import flex_attention
 
-import oracle
 from flexmoba import compiled_flex_attention, moba_flex_plan, select_chunks
 from flexmoba import flex_plan as flex_plan_module
+
+import oracle
 from strategies import Problem, problems, random_inputs
 
 
@@ -62,7 +63,7 @@ def dense_virtual_mask(plan):
 
 def listed_blocks(num, indices, n_blocks):
     listed = torch.zeros(*num.shape, n_blocks, dtype=torch.bool)
-    for idx in zip(*torch.nonzero(torch.ones_like(num), as_tuple=True)):
+    for idx in zip(*torch.nonzero(torch.ones_like(num), as_tuple=True), strict=True):
         listed[idx + (indices[idx][: num[idx]].long(),)] = True
     return listed
 

@@ -4,8 +4,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flexmoba import moba_reference, select_chunks
-from flexmoba import gather
+from flexmoba import gather, moba_reference, select_chunks
+
 from strategies import problems
 
 
@@ -26,7 +26,7 @@ def test_any_query_block_gives_reference_gradients(problem, query_block, fused):
     ref = moba_reference(*inputs, **problem.kwargs)
     expected = torch.autograd.grad((ref * grad_out).sum(), inputs)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    for g, e in zip(got, expected):
+    for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, atol=2e-5, rtol=2e-5)
 
 

@@ -4,8 +4,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-import oracle
 from flexmoba import dense_moba_mask, moba_selection, select_chunks
+
+import oracle
 from strategies import EXAMPLES, describe, more_examples, problems, with_examples
 
 
