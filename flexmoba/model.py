@@ -31,14 +31,15 @@ TRAINING_MULTIPLIER = 3  # forward + backward (~2x forward)
 
 @dataclass
 class ModelConfig:
-    """Architecture of :class:`GPT`.
+    """Architecture of :class:`GPT`; the defaults are the project's default model (what
+    ``configs/moba.yaml``, ``lit.compare`` and ``benchmarks.train_step`` train).
 
     Attributes:
         vocab_size: tokens in the vocabulary (256 for raw bytes).
         n_layers: transformer blocks.
         d_model: residual stream width C.
         n_heads: query heads H; ``d_model % n_heads == 0``.
-        n_kv_heads: key/value heads H_kv (GQA); ``None`` means ``n_heads``.
+        n_kv_heads: key/value heads H_kv (GQA); ``None`` means ``n_heads`` (no grouping).
         mlp_hidden: SwiGLU hidden width; ``None`` means 8/3 * d_model rounded up to 32.
         tie_embeddings: share the token embedding with the output projection.
         rope_base: RoPE frequency base.
@@ -56,7 +57,7 @@ class ModelConfig:
     n_layers: int = 4
     d_model: int = 128
     n_heads: int = 4
-    n_kv_heads: int | None = None
+    n_kv_heads: int | None = 2
     mlp_hidden: int | None = None
     tie_embeddings: bool = True
     rope_base: float = 10000.0

@@ -3,7 +3,9 @@
     python -m lit.compare                      # default budget, a few minutes on 2 CPU cores
     python -m lit.compare --steps 2 --max-files 5 --seq-len 128 --out /tmp/cmp   # smoke run
 
-Both runs share the data, seed, model size and optimizer; only the attention differs.
+Both runs share the data, seed, model size and optimizer; only the attention differs. The
+model defaults to the default model (``flexmoba.model.ModelConfig()``); the schedule fits
+the short budget (warmup: 10% of ``--steps``).
 Writes one folder ``<out>/compare-<timestamp>/`` holding ``results.md`` (the table),
 ``results.json``, ``val_loss.png``, ``loss_by_position.png`` and the per-run CSV logs.
 """
@@ -27,6 +29,7 @@ from lit.data import PythonSourceData
 from lit.module import LitLM
 
 VARIANTS = ("moba", "full")
+DEFAULT_MODEL = ModelConfig()
 
 
 class RunRecorder(L.Callback):
@@ -57,12 +60,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=100, help="optimizer steps per run")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--chunk-size", type=int, default=128, help="MoBA chunk (block) size")
-    p.add_argument("--top-k", type=int, default=3, help="MoBA chunks per query, own chunk included")
-    p.add_argument("--n-layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--n-heads", type=int, default=4)
-    p.add_argument("--n-kv-heads", type=int, default=2)
+    p.add_argument("--chunk-size", type=int, default=DEFAULT_MODEL.moba_chunk_size, help="MoBA chunk (block) size")
+    p.add_argument("--top-k", type=int, default=DEFAULT_MODEL.moba_top_k,
+                   help="MoBA chunks per query, own chunk included")
+    p.add_argument("--n-layers", type=int, default=DEFAULT_MODEL.n_layers)
+    p.add_argument("--d-model", type=int, default=DEFAULT_MODEL.d_model)
+    p.add_argument("--n-heads", type=int, default=DEFAULT_MODEL.n_heads)
+    p.add_argument("--n-kv-heads", type=int, default=DEFAULT_MODEL.n_kv_heads)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup-steps", type=int, default=None, help="default: 10%% of --steps")
     p.add_argument("--position-window", type=int, default=None, help="default: seq_len / 4")
@@ -76,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--out", default="runs", help="parent folder of the run folder")
     p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--moba-backend", default="auto", help="flexmoba.moba_attention backend (default: auto)")
+    p.add_argument("--moba-backend", default=DEFAULT_MODEL.moba_backend, help="flexmoba.moba_attention backend")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = p.parse_args(argv)
     for name in ("steps", "seq_len", "batch_size", "chunk_size", "top_k"):

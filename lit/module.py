@@ -27,7 +27,7 @@ class LitLM(L.LightningModule):
     """Causal language modelling with windowed validation losses.
 
     Args:
-        config: the model architecture.
+        config: the model architecture; default: the default model, ``ModelConfig()``.
         seq_len: training sequence length (linked from the data by the CLI); sizes the
             position windows.
         lr, weight_decay, betas: AdamW (decay on matrices only).
@@ -45,7 +45,7 @@ class LitLM(L.LightningModule):
         lr: float = 3e-3,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
-        warmup_steps: int = 20,
+        warmup_steps: int = 100,
         min_lr_ratio: float = 0.1,
         lr_decay_steps: int | None = None,
         position_window: int = 256,

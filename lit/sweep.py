@@ -107,8 +107,8 @@ class Run:
         return Path(self.spec.out_dir) / self.name
 
     def model_config(self) -> ModelConfig:
-        size = {k: v for k, v in asdict(self.size).items() if k != "name" and v is not None}
-        return ModelConfig(**size, **self.spec.attention[self.attention_name])
+        size = {k: v for k, v in asdict(self.size).items() if k != "name"}  # n_kv_heads None: one per head
+        return ModelConfig(**{**size, **self.spec.attention[self.attention_name]})
 
     def steps(self) -> int:
         """Optimizer steps for ``tokens_per_parameter`` tokens per non-embedding parameter."""

@@ -6,7 +6,7 @@ import torch
 from flexmoba.flops import keys_attended_full, keys_attended_moba
 from flexmoba.model import GPT, ModelConfig
 
-TINY = dict(n_layers=2, d_model=32, n_heads=4, moba_chunk_size=16, moba_top_k=2, moba_backend="sdpa")
+TINY = dict(n_layers=2, d_model=32, n_heads=4, n_kv_heads=None, moba_chunk_size=16, moba_top_k=2, moba_backend="sdpa")
 
 
 def tiny(**overrides) -> ModelConfig:
