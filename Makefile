@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install -q -e ".[dev,hf]"
+	$(PY) -m pip install -q -e ".[train,dev,hf]"
 	touch $@
 
 venv: $(VENV)/.installed

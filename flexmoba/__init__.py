@@ -3,6 +3,8 @@
 Tensors are ``[B, H, S, D]``; keys and values may have fewer heads (``H % H_kv == 0``).
 """
 
+__version__ = "0.1.0"  # the one place the version is written; pyproject.toml reads it
+
 from flexmoba.attention import moba_attention
 from flexmoba.backends import backend_names, register_backend
 from flexmoba.block_mask import moba_block_mask, selection_block_mask
@@ -15,6 +17,7 @@ from flexmoba.reference import moba_reference
 from flexmoba.varlen import moba_attention_varlen
 
 __all__ = [
+    "__version__",
     "MoBAFlexPlan",
     "MoBAKVCache",
     "Selection",
