@@ -38,7 +38,7 @@ class ModelConfig:
         vocab_size: tokens in the vocabulary (256 for raw bytes).
         n_layers: transformer blocks.
         d_model: residual stream width C.
-        n_heads: query heads H; ``d_model % n_heads == 0``.
+        n_heads: query heads H; must divide ``d_model``.
         n_kv_heads: key/value heads H_kv (GQA); ``None`` means ``n_heads`` (no grouping).
         mlp_hidden: SwiGLU hidden width; ``None`` means 8/3 * d_model rounded up to 32.
         tie_embeddings: share the token embedding with the output projection.

@@ -1,35 +1,113 @@
 """Main job: train MoBA and full attention on the same budget and compare them.
 
-    python -m lit.compare                      # default budget, a few minutes on 2 CPU cores
-    python -m lit.compare --steps 2 --max-files 5 --seq-len 128 --out /tmp/cmp   # smoke run
+    flexmoba compare                               # default budget, a few minutes on 2 CPU cores
+    flexmoba compare --seeds 3                     # three seeds per attention kind: mean ± std
+    flexmoba compare --steps 2 --max_files 5 --seq_len 128 --out /tmp/cmp   # smoke run
+    flexmoba compare --model.moba_top_k 2 --model.d_model 256                # any ModelConfig field
 
-Both runs share the data, seed, model size and optimizer; only the attention differs. The
-model defaults to the default model (``flexmoba.model.ModelConfig()``); the schedule fits
-the short budget (warmup: 10% of ``--steps``).
-Writes one folder ``<out>/compare-<timestamp>/`` holding ``results.md`` (the table),
-``results.json``, ``val_loss.png``, ``loss_by_position.png`` and the per-run CSV logs.
+Both kinds share the data, seeds, model size and optimizer; only ``model.attention`` differs.
+The model defaults to the default model (``flexmoba.model.ModelConfig()``); the schedule fits
+the short budget (warmup: a tenth of ``--steps``). On a CUDA machine the runs use the GPU with
+``bf16-mixed`` precision (``--accelerator``/``--precision`` override). Writes one folder
+``<out>/compare-<timestamp>/`` holding ``results.md`` (the table, mean ± std over seeds),
+``results.json``, ``val_loss.png``, ``loss_by_position.png`` and per run
+``<attention>/seed<N>/`` its CSV and TensorBoard logs and ``final.ckpt``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
+import math
 import time
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from flexmoba.model import ModelConfig
+from lit.command_line import parse_dataclass
 from lit.data import PythonSourceData
 from lit.module import LitLM
 
 VARIANTS = ("moba", "full")
-DEFAULT_MODEL = ModelConfig()
+
+
+@dataclass
+class CompareJob:
+    """What ``flexmoba compare`` trains.
+
+    Args:
+        model: the model of both kinds (``attention`` is set per kind).
+        steps: optimizer steps per run.
+        seq_len: bytes per training sequence.
+        batch_size: sequences per step.
+        seeds: seeds per attention kind (``seed``, ``seed + 1``, ...); with 2 or more the table
+            reports mean ± sample std.
+        seed: the first seed.
+        lr: AdamW peak learning rate.
+        warmup_steps: default a tenth of ``steps``.
+        position_window: loss-by-position window; default ``seq_len / 4``.
+        trailing_window: trailing-loss window; default ``position_window``.
+        val_every: validate every N steps; default ``steps / 5``.
+        val_batches: batches per intermediate validation.
+        final_val_batches: batches in the final validation.
+        corpus_dir: corpus root; default this Python's standard library.
+        max_files: use only this many training files.
+        max_bytes: use only this many bytes.
+        cache_dir: tokenized-corpus cache folder.
+        out: parent folder of the run folder.
+        accelerator: Lightning accelerator (``auto``: CUDA when there is one).
+        precision: Lightning precision; default ``bf16-mixed`` on CUDA, ``32-true`` elsewhere.
+        threads: torch CPU threads (default: torch's choice).
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    steps: int = 100
+    seq_len: int = 1024
+    batch_size: int = 8
+    seeds: int = 1
+    seed: int = 1337
+    lr: float = 3e-3
+    warmup_steps: int | None = None
+    position_window: int | None = None
+    trailing_window: int | None = None
+    val_every: int | None = None
+    val_batches: int = 8
+    final_val_batches: int = 32
+    corpus_dir: str | None = None
+    max_files: int | None = None
+    max_bytes: int | None = None
+    cache_dir: str | None = None
+    out: str = "runs"
+    accelerator: str = "auto"
+    precision: str | None = None
+    threads: int | None = None
+
+    def __post_init__(self):
+        for name in ("steps", "seq_len", "batch_size", "seeds", "val_batches", "final_val_batches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"--{name} must be a positive int, got {value!r}")
+
+    @property
+    def window(self) -> int:
+        return self.position_window or max(1, self.seq_len // 4)
+
+    def seed_list(self) -> list[int]:
+        return [self.seed + i for i in range(self.seeds)]
+
+    def model_config(self, attention: str) -> ModelConfig:
+        return replace(self.model, attention=attention)
+
+    def trainer_precision(self) -> str:
+        if self.precision is not None:
+            return self.precision
+        on_cuda = self.accelerator in ("auto", "cuda", "gpu") and torch.cuda.is_available()
+        return "bf16-mixed" if on_cuda else "32-true"
 
 
 class RunRecorder(L.Callback):
@@ -55,73 +133,45 @@ class RunRecorder(L.Callback):
             self.val_history.append((trainer.global_step, float(trainer.callback_metrics["val/loss"])))
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps per run")
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--chunk-size", type=int, default=DEFAULT_MODEL.moba_chunk_size, help="MoBA chunk (block) size")
-    p.add_argument("--top-k", type=int, default=DEFAULT_MODEL.moba_top_k,
-                   help="MoBA chunks per query, own chunk included")
-    p.add_argument("--n-layers", type=int, default=DEFAULT_MODEL.n_layers)
-    p.add_argument("--d-model", type=int, default=DEFAULT_MODEL.d_model)
-    p.add_argument("--n-heads", type=int, default=DEFAULT_MODEL.n_heads)
-    p.add_argument("--n-kv-heads", type=int, default=DEFAULT_MODEL.n_kv_heads)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup-steps", type=int, default=None, help="default: 10%% of --steps")
-    p.add_argument("--position-window", type=int, default=None, help="default: seq_len / 4")
-    p.add_argument("--trailing-window", type=int, default=None, help="default: seq_len / 4")
-    p.add_argument("--val-every", type=int, default=None, help="validate every N steps (default: steps / 5)")
-    p.add_argument("--val-batches", type=int, default=8, help="batches per intermediate validation")
-    p.add_argument("--final-val-batches", type=int, default=32, help="batches in the final validation")
-    p.add_argument("--max-files", type=int, default=None, help="slice the corpus (train files)")
-    p.add_argument("--max-bytes", type=int, default=None)
-    p.add_argument("--corpus-dir", default=None, help="default: this Python's standard library")
-    p.add_argument("--cache-dir", default=None)
-    p.add_argument("--out", default="runs", help="parent folder of the run folder")
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--moba-backend", default=DEFAULT_MODEL.moba_backend, help="flexmoba.moba_attention backend")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    args = p.parse_args(argv)
-    for name in ("steps", "seq_len", "batch_size", "chunk_size", "top_k"):
-        if getattr(args, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive")
-    return args
+def progress_bar() -> list[L.Callback]:
+    try:
+        from lightning.pytorch.callbacks import RichProgressBar
+
+        return [RichProgressBar()]
+    except (ImportError, ModuleNotFoundError):  # rich is optional
+        return []
 
 
-def model_config(args: argparse.Namespace, attention: str) -> ModelConfig:
-    return ModelConfig(
-        n_layers=args.n_layers, d_model=args.d_model, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
-        attention=attention, moba_chunk_size=args.chunk_size, moba_top_k=args.top_k,
-        moba_backend=args.moba_backend,
-    )
-
-
-def train_one(args: argparse.Namespace, attention: str, run_dir: Path, data: PythonSourceData) -> dict:
-    L.seed_everything(args.seed, verbose=False)
-    config = model_config(args, attention)
-    window = args.position_window or max(1, args.seq_len // 4)
+def train_one(job: CompareJob, attention: str, seed: int, run_dir: Path, data: PythonSourceData) -> dict:
+    """One fit + final validation; its logs and ``final.ckpt`` go to ``run_dir``."""
+    L.seed_everything(seed, verbose=False)
+    config = job.model_config(attention)
     module = LitLM(
-        config, seq_len=args.seq_len, lr=args.lr,
-        warmup_steps=args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10),
-        position_window=window, trailing_window=args.trailing_window or window,
+        config, seq_len=job.seq_len, lr=job.lr,
+        warmup_steps=job.warmup_steps if job.warmup_steps is not None else max(1, job.steps // 10),
+        position_window=job.window, trailing_window=job.trailing_window or job.window,
     )
     recorder = RunRecorder()
-    logger = CSVLogger(run_dir, name=attention, version="")
-    val_every = args.val_every or max(1, args.steps // 5)
+    loggers = [CSVLogger(run_dir, name="csv", version=""), TensorBoardLogger(run_dir, name="tb", version="")]
+    val_every = job.val_every or max(1, job.steps // 5)
     trainer = L.Trainer(
-        max_steps=args.steps, val_check_interval=min(val_every, args.steps), check_val_every_n_epoch=None,
-        limit_val_batches=args.val_batches, gradient_clip_val=1.0, log_every_n_steps=max(1, min(10, args.steps)),
-        logger=logger, callbacks=[recorder], enable_checkpointing=False, enable_model_summary=False,
-        default_root_dir=run_dir / attention, accelerator="cpu", devices=1, num_sanity_val_steps=0,
+        max_steps=job.steps, val_check_interval=min(val_every, job.steps), check_val_every_n_epoch=None,
+        limit_val_batches=job.val_batches, gradient_clip_val=1.0, log_every_n_steps=max(1, min(10, job.steps)),
+        logger=loggers, callbacks=[recorder, *progress_bar()], enable_checkpointing=False,
+        enable_model_summary=False, default_root_dir=run_dir, accelerator=job.accelerator, devices=1,
+        precision=job.trainer_precision(), num_sanity_val_steps=0,
     )
-    print(f"[compare] training {attention}: {args.steps} steps of {args.batch_size} x {args.seq_len} tokens")
+    print(f"[compare] training {attention} (seed {seed}) on {trainer.strategy.root_device}: "
+          f"{job.steps} steps of {job.batch_size} x {job.seq_len} tokens -> {run_dir}")
     trainer.fit(module, datamodule=data)
-    trainer.limit_val_batches = args.final_val_batches
+    trainer.save_checkpoint(run_dir / "final.ckpt")
+    trainer.limit_val_batches = job.final_val_batches
     final = trainer.validate(module, datamodule=data, verbose=False)[0]
-    logger.finalize("success")
+    for logger in loggers:
+        logger.finalize("success")
     return {
         "attention": attention,
+        "seed": seed,
         "config": asdict(config),
         "final": {k: float(v) for k, v in final.items()},
         "val_history": recorder.val_history,
@@ -132,7 +182,8 @@ def train_one(args: argparse.Namespace, attention: str, run_dir: Path, data: Pyt
         "train_tokens": recorder.tokens,
         "tokens_per_second": recorder.tokens / max(recorder.seconds, 1e-9),
         "dense_flops_per_token": config.dense_flops_per_token(),
-        "attention_flops_per_token": config.attention_flops_per_token(args.seq_len),
+        "attention_flops_per_token": config.attention_flops_per_token(job.seq_len),
+        "checkpoint": str(run_dir / "final.ckpt"),
     }
 
 
@@ -141,37 +192,63 @@ def window_losses(result: dict) -> list[float]:
     return [final.get(f"val/loss_pos_{start:06d}_{end:06d}", float("nan")) for start, end in result["windows"]]
 
 
-def markdown_report(args: argparse.Namespace, results: list[dict], fingerprint: str | None) -> str:
-    moba_config = model_config(args, "moba")
+def mean_std(values: list[float]) -> tuple[float, float | None]:
+    """Mean and sample standard deviation (``None`` for a single value)."""
+    mean = sum(values) / len(values)
+    if len(values) == 1:
+        return mean, None
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))  # NaN-safe, unlike stdev
+
+
+def fmt(values: list[float], spec: str) -> str:
+    mean, std = mean_std(values)
+    return f"{mean:{spec}}" if std is None else f"{mean:{spec}} ± {std:{spec}}"
+
+
+def by_attention(results: list[dict]) -> dict[str, list[dict]]:
+    grouped: dict[str, list[dict]] = {}
+    for r in results:
+        grouped.setdefault(r["attention"], []).append(r)
+    return grouped
+
+
+def markdown_report(job: CompareJob, results: list[dict], fingerprint: str | None) -> str:
+    moba = job.model_config("moba")
+    seeds = job.seed_list()
+    seed_text = f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {seeds[0]}-{seeds[-1]} (mean ± sample std)"
     lines = [
         "# MoBA vs full attention",
         "",
-        f"Same budget for both: {args.steps} steps x {args.batch_size} sequences x {args.seq_len} bytes, "
-        f"seed {args.seed}; corpus fingerprint `{fingerprint}`.",
-        f"MoBA: chunk {args.chunk_size}, top-k {args.top_k} "
-        f"(skips {moba_config.attention_sparsity(args.seq_len):.0%} of causal query-key pairs at this length).",
+        f"Same budget for both: {job.steps} steps x {job.batch_size} sequences x {job.seq_len} bytes, "
+        f"{seed_text}; corpus fingerprint `{fingerprint}`.",
+        f"MoBA: chunk {moba.moba_chunk_size}, top-k {moba.moba_top_k} "
+        f"(skips {moba.attention_sparsity(job.seq_len):.0%} of causal query-key pairs at this length).",
         "",
-        "| attention | val loss | val ppl | trailing loss | params (non-emb) | train time (s) | tokens/s "
+        "| attention | val loss | val bpb | val ppl | trailing loss | params (non-emb) | train time (s) | tokens/s "
         "| 6N FLOPs/token | attention FLOPs/token |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in results:
-        f = r["final"]
+    for attention, runs in by_attention(results).items():
+        def final(key, runs=runs):
+            return [r["final"].get(key, float("nan")) for r in runs]
+        first = runs[0]
         lines.append(
-            f"| {r['attention']} | {f.get('val/loss', float('nan')):.4f} | {f.get('val/ppl', float('nan')):.2f} "
-            f"| {f.get('val/loss_trailing', float('nan')):.4f} | {r['params_non_embedding']:,} "
-            f"| {r['train_seconds']:.2f} | {r['tokens_per_second']:,.0f} | {r['dense_flops_per_token']:.3g} "
-            f"| {r['attention_flops_per_token']:.3g} |"
+            f"| {attention} | {fmt(final('val/loss'), '.4f')} | {fmt(final('val/bpb'), '.4f')} "
+            f"| {fmt(final('val/ppl'), '.2f')} | {fmt(final('val/loss_trailing'), '.4f')} "
+            f"| {first['params_non_embedding']:,} | {fmt([r['train_seconds'] for r in runs], '.2f')} "
+            f"| {fmt([r['tokens_per_second'] for r in runs], ',.0f')} | {first['dense_flops_per_token']:.3g} "
+            f"| {first['attention_flops_per_token']:.3g} |"
         )
     windows = results[0]["windows"]
     lines += ["", "Validation loss by target position window:", "",
               "| attention | " + " | ".join(f"{s}-{e}" for s, e in windows) + " |",
               "|---|" + "---|" * len(windows)]
-    for r in results:
-        lines.append(f"| {r['attention']} | " + " | ".join(f"{x:.4f}" for x in window_losses(r)) + " |")
-    lines += ["", f"Final validation: {args.final_val_batches} batches; the curve in val_loss.png uses the first "
-              f"{args.val_batches}. Trailing loss = the last window of positions. Train time counts training "
-              "batches only (no validation).", ""]
+    for attention, runs in by_attention(results).items():
+        per_window = zip(*(window_losses(r) for r in runs), strict=True)
+        lines.append(f"| {attention} | " + " | ".join(fmt(list(w), ".4f") for w in per_window) + " |")
+    lines += ["", f"Final validation: {job.final_val_batches} batches; the curve in val_loss.png uses the first "
+              f"{job.val_batches}. Trailing loss = the last window of positions; bpb = bits per byte. "
+              "Train time counts training batches only (no validation).", ""]
     return "\n".join(lines)
 
 
@@ -182,9 +259,12 @@ def plot(results: list[dict], run_dir: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for r in results:
-        steps, losses = zip(*r["val_history"], strict=True) if r["val_history"] else ((), ())
-        ax.plot(steps, losses, marker="o", label=r["attention"])
+    for attention, runs in by_attention(results).items():
+        steps = [s for s, _ in runs[0]["val_history"]]
+        per_step = list(zip(*([loss for _, loss in r["val_history"]] for r in runs), strict=True))
+        means = [mean_std(list(v))[0] for v in per_step]
+        errors = [mean_std(list(v))[1] or 0.0 for v in per_step]
+        ax.errorbar(steps, means, yerr=errors, marker="o", capsize=3, label=attention)
     ax.set(xlabel="step", ylabel="validation loss (nats/byte)", title="Validation loss during training")
     ax.legend()
     fig.tight_layout()
@@ -192,9 +272,12 @@ def plot(results: list[dict], run_dir: Path) -> None:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for r in results:
-        centers = [(s + e) / 2 for s, e in r["windows"]]
-        ax.plot(centers, window_losses(r), marker="o", label=r["attention"])
+    for attention, runs in by_attention(results).items():
+        centers = [(s + e) / 2 for s, e in runs[0]["windows"]]
+        per_window = list(zip(*(window_losses(r) for r in runs), strict=True))
+        means = [mean_std(list(v))[0] for v in per_window]
+        errors = [mean_std(list(v))[1] or 0.0 for v in per_window]
+        ax.errorbar(centers, means, yerr=errors, marker="o", capsize=3, label=attention)
     ax.set(xlabel="target position (window center)", ylabel="validation loss (nats/byte)",
            title="Loss by position")
     ax.legend()
@@ -203,27 +286,33 @@ def plot(results: list[dict], run_dir: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> Path:
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def run(job: CompareJob) -> Path:
+    """Train every (attention, seed) pair of ``job`` and write the report; return its folder."""
+    if job.threads:
+        torch.set_num_threads(job.threads)
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    run_dir = Path(args.out) / f"compare-{datetime.now():%Y%m%d-%H%M%S}"
+    run_dir = Path(job.out) / f"compare-{datetime.now():%Y%m%d-%H%M%S}"
     run_dir.mkdir(parents=True, exist_ok=False)
+    print(f"[compare] results go to {run_dir}")
     data = PythonSourceData(
-        corpus_dir=args.corpus_dir, seq_len=args.seq_len, batch_size=args.batch_size,
-        max_files=args.max_files, max_bytes=args.max_bytes, cache_dir=args.cache_dir, seed=args.seed,
+        corpus_dir=job.corpus_dir, seq_len=job.seq_len, batch_size=job.batch_size,
+        max_files=job.max_files, max_bytes=job.max_bytes, cache_dir=job.cache_dir, seed=job.seed,
     )
     data.prepare_data()
-    results = [train_one(args, attention, run_dir, data) for attention in VARIANTS]
+    results = [train_one(job, attention, seed, run_dir / attention / f"seed{seed}", data)
+               for attention in VARIANTS for seed in job.seed_list()]
     (run_dir / "results.json").write_text(json.dumps(
-        {"args": vars(args), "fingerprint": data.fingerprint, "results": results}, indent=2))
-    report = markdown_report(args, results, data.fingerprint)
+        {"job": asdict(job), "fingerprint": data.fingerprint, "results": results}, indent=2))
+    report = markdown_report(job, results, data.fingerprint)
     (run_dir / "results.md").write_text(report)
     plot(results, run_dir)
     print(report)
     print(f"[compare] results in {run_dir}")
     return run_dir
+
+
+def main(argv: list[str] | None = None) -> Path:
+    return run(parse_dataclass(CompareJob, argv, prog="flexmoba compare", description=__doc__))
 
 
 if __name__ == "__main__":

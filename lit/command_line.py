@@ -1,0 +1,77 @@
+"""Command-line parsing shared by the ``flexmoba`` subcommands that are not LightningCLI.
+
+Every option is a field of one dataclass, parsed by jsonargparse (``--name value``, nested
+dataclasses as ``--model.field value``, ``--config job.yaml``, ``--print_config``). A bad value
+is one line on stderr naming the option, and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+from dataclasses import fields, is_dataclass
+from typing import TypeVar
+
+from jsonargparse import ArgumentParser, Namespace
+
+T = TypeVar("T")
+
+
+def fail(prog: str, message: str) -> None:
+    """Print ``prog: error: message`` as one line and exit with code 2."""
+    print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def one_line(error: Exception) -> str:
+    """jsonargparse's first two lines (``Parser key "steps":`` and why) as one."""
+    return " ".join(line.strip() for line in str(error).splitlines()[:2])
+
+
+def nested_dataclass(f) -> type | None:
+    """The dataclass a field holds (its default factory), if any."""
+    return f.default_factory if is_dataclass(f.default_factory) else None
+
+
+def option_names(cls, prefix: str = "--") -> list[str]:
+    names = []
+    for f in fields(cls):
+        names.append(prefix + f.name)
+        if nested_dataclass(f):
+            names += option_names(nested_dataclass(f), f"{prefix}{f.name}.")
+    return names
+
+
+def unknown_option_hint(cls, message: str) -> str:
+    """``message`` plus the nearest valid option for each unrecognised one."""
+    hints = []
+    for word in message.replace("=", " ").split():
+        close = difflib.get_close_matches(word, option_names(cls), n=1) if word.startswith("--") else []
+        if close:
+            hints.append(f"{word}: did you mean {close[0]}?")
+    return "; ".join([message, *hints])
+
+
+def to_dataclass(cls: type[T], namespace: Namespace) -> T:
+    values = {f.name: namespace.as_dict()[f.name] for f in fields(cls)}
+    for f in fields(cls):
+        if nested_dataclass(f) and isinstance(values[f.name], dict):
+            values[f.name] = nested_dataclass(f)(**values[f.name])
+    return cls(**values)
+
+
+def parse_dataclass(cls: type[T], argv: list[str] | None, *, prog: str, description: str = "") -> T:
+    """Parse ``argv`` into a ``cls`` instance; any error exits 2 with one line."""
+    parser = ArgumentParser(prog=prog, description=description.replace("%", "%%"), exit_on_error=False,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", action="config", help="a YAML file of these options")
+    parser.add_class_arguments(cls, None, as_group=False)
+    try:
+        namespace = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    except argparse.ArgumentError as error:
+        fail(prog, unknown_option_hint(cls, one_line(error)))
+    try:
+        return to_dataclass(cls, namespace)
+    except (TypeError, ValueError) as error:
+        fail(prog, one_line(error))
