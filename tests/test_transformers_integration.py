@@ -205,6 +205,10 @@ def test_unsupported_transformers_version(monkeypatch):
 
 
 def test_bad_settings_name_the_problem():
+    with pytest.raises(ValueError, match="full_attention_last_n_layers"):
+        hf.register("bad", full_attention_last_n_layers=-1)
+    with pytest.raises(ValueError, match="granularity"):
+        hf.register("bad", chunk_size=CHUNK, top_k=TOP_K, granularity=3)
     with pytest.raises(ValueError, match="chunk_size"):
         hf.register("bad", chunk_size=0, top_k=TOP_K)
     with pytest.raises(TypeError, match="top_k"):
@@ -275,11 +279,99 @@ def test_training_step_backpropagates_and_refuses_dropout():
         model(ids, labels=ids)
 
 
-def test_packed_sequences_are_refused():
-    model, ids = tiny_llama(), tokens(B=1)
-    position_ids = torch.cat([torch.arange(20), torch.arange(20)])[None]  # two documents in one row
-    with pytest.raises(ValueError, match="not causal plus padding"):
-        logits(model, ids, position_ids=position_ids, use_cache=False)  # HF detects packing only without a cache
+hf.register("flexmoba-from-config")  # no defaults: every setting from the model's config.moba
+
+
+def configured_llama(attn="flexmoba-from-config", **moba):
+    model = tiny_llama(attn=attn)
+    model.config.moba = {"chunk_size": CHUNK, "top_k": TOP_K, "backend": "sdpa", **moba}
+    return model
+
+
+def layer_hybrid_reference(n_full):
+    """MoBA in the first layers, full causal attention in the last ``n_full``, by ``module.layer_idx``."""
+    def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        if module.layer_idx >= module.config.num_hidden_layers - n_full:
+            out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+        else:
+            out = moba_reference(query, key, value, chunk_size=CHUNK, top_k=TOP_K, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+    return attention
+
+
+AttentionInterface.register("layer-hybrid-reference-1", layer_hybrid_reference(1))
+
+
+def test_settings_come_from_the_model_config_on_every_call():
+    model, ids = configured_llama(), tokens()
+    torch.testing.assert_close(logits(model, ids), logits(model, ids, "moba-reference"), **TOL)
+    model.config.moba = {"chunk_size": 16, "top_k": 4}  # 64 >= S: plain causal attention
+    torch.testing.assert_close(logits(model, ids, "flexmoba-from-config"), logits(model, ids, "sdpa"), **TOL)
+
+
+def test_model_config_wins_over_register_defaults():
+    model, ids = tiny_llama(attn="moba-sdpa"), tokens()
+    model.config.moba = {"top_k": 5}  # 5 chunks of 8 >= S: plain causal attention
+    torch.testing.assert_close(logits(model, ids), logits(model, ids, "sdpa"), **TOL)
+
+
+def test_last_layers_full_is_the_layer_hybrid():
+    model, ids = configured_llama(full_attention_last_n_layers=1), tokens()
+    hybrid = logits(model, ids)
+    torch.testing.assert_close(hybrid, logits(model, ids, "layer-hybrid-reference-1"), **TOL)
+    assert (hybrid - logits(model, ids, "moba-reference")).abs().max() > 1e-3
+    model.config.moba["full_attention_last_n_layers"] = 2
+    torch.testing.assert_close(logits(model, ids, "flexmoba-from-config"), logits(model, ids, "sdpa"), **TOL)
+
+
+@pytest.mark.parametrize("pieces", [[10] + [1] * 30, [3, 20, 1, 1, 15]], ids=["token", "chunked"])
+def test_layer_hybrid_cached_decoding_equals_parallel_forward(pieces):
+    model, ids = configured_llama(full_attention_last_n_layers=1), tokens()
+    torch.testing.assert_close(cached_logits(model, ids, pieces), logits(model, ids), **TOL)
+
+
+def test_save_pretrained_keeps_the_moba_settings(tmp_path):
+    model, ids = configured_llama(full_attention_last_n_layers=1), tokens()
+    model.save_pretrained(tmp_path)
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="flexmoba-from-config").eval()
+    assert loaded.config.moba == model.config.moba
+    torch.testing.assert_close(logits(loaded, ids), logits(model, ids), **TOL)
+
+
+def test_missing_or_bad_model_settings_name_config_moba():
+    model, ids = tiny_llama(attn="flexmoba-from-config"), tokens()
+    with pytest.raises(ValueError, match=r"config\.moba = \{'chunk_size'"):
+        logits(model, ids)
+    model.config.moba = {"chunk_size": CHUNK, "top_k": TOP_K, "topk": 3}
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['topk'\] in config\.moba"):
+        logits(model, ids)
+    model.config.moba = {"chunk_size": CHUNK, "top_k": 0}
+    with pytest.raises(ValueError, match=r"config\.moba: top_k"):
+        logits(model, ids)
+
+
+DOCUMENTS = (17, 23)  # not chunk multiples: chunks must restart at the second document
+
+
+@pytest.mark.parametrize("n_full", [0, 1], ids=["moba", "hybrid"])
+@pytest.mark.parametrize("use_cache", [False, True], ids=["packing-mask", "position-ids"])
+def test_packed_sequences_equal_per_document_forwards(use_cache, n_full):
+    # Without a cache transformers builds a block-diagonal mask from the position ids; with
+    # one it does not, and the position ids alone say where documents start.
+    model, ids = configured_llama(full_attention_last_n_layers=n_full), tokens(B=1)
+    position_ids = torch.cat([torch.arange(n) for n in DOCUMENTS])[None]
+    packed = logits(model, ids, position_ids=position_ids, use_cache=use_cache)
+    alone = torch.cat([logits(model, part) for part in ids.split(DOCUMENTS, dim=1)], dim=1)
+    torch.testing.assert_close(packed, alone, **TOL)
+
+
+def test_packed_batch_of_rows_with_different_documents():
+    model, ids = configured_llama(), tokens(B=2)
+    position_ids = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in ((17, 23), (40,))])
+    packed = logits(model, ids, position_ids=position_ids, use_cache=False)
+    first_row = torch.cat([logits(model, part) for part in ids[:1].split(DOCUMENTS, dim=1)], dim=1)
+    torch.testing.assert_close(packed[0], first_row[0], **TOL)
+    torch.testing.assert_close(packed[1], logits(model, ids[1:])[0], **TOL)
 
 
 def test_static_cache_is_refused():

@@ -1,8 +1,10 @@
 """MoBA as a Hugging Face transformers attention implementation.
 
     from flexmoba.integrations.transformers import register
-    register("flexmoba", chunk_size=512, top_k=3)
+    register()  # attn_implementation="flexmoba", settings read from each model's config
+    config.moba = {"chunk_size": 512, "top_k": 3, "full_attention_last_n_layers": 3}
     model = AutoModelForCausalLM.from_config(config, attn_implementation="flexmoba")
+    # or: AutoModelForCausalLM.from_pretrained(path, attn_implementation="flexmoba")
     # or, on a loaded model: model.set_attn_implementation("flexmoba")
 
 Any model whose attention modules call ``ALL_ATTENTION_FUNCTIONS`` (Llama, Mistral,
@@ -14,6 +16,14 @@ Qwen2/3, Gemma, ... in transformers >= 4.48) then runs MoBA in every causal laye
   the keys): :func:`flexmoba.decode.decode_attention`, or full causal attention for
   every cached step with ``dense_decode=True`` (the paper's protocol: MoBA prefill, full
   attention for generated tokens).
+
+Settings. The keys of :class:`MobaSettings` (``chunk_size``, ``top_k``,
+``full_attention_last_n_layers``, ``granularity``, ``dense_decode``, ``backend``,
+``chunk_means``) come from the model's ``config.moba`` dict, read on every call through
+the attention module's ``config``, so they travel with ``save_pretrained`` /
+``from_pretrained``; keys the model's config leaves out fall back to what :func:`register`
+was given. ``full_attention_last_n_layers=N`` gives the last N layers (by the module's
+``layer_idx``) full causal attention, the paper's layer hybrid.
 
 Chunk means for decoding. HF's cache holds only K and V, so each attention module keeps
 running per-chunk key sums beside it (``module._flexmoba_chunk_sums``): one new key costs
@@ -27,20 +37,27 @@ remember their length and the last key they absorbed and compare them with the c
 That check is O(1), so it cannot see every edit: if the cache is rewritten in place at
 constant length and the last key stays equal (beam search where two beams end on the same
 token: the first layer's keys depend on token and position only), the first layer's sums
-go stale. ``register(..., chunk_means="recompute")`` re-pools the means from the cached
-keys every step instead (one read of the cached keys per layer: half of what dense
-attention reads) and is exact whatever happens to the cache.
+go stale. ``chunk_means="recompute"`` re-pools the means from the cached keys every step
+instead (one read of the cached keys per layer: half of what dense attention reads) and is
+exact whatever happens to the cache.
 
-Padding. A row may be left padded (batched generation) or right padded (batched
-training/scoring): the padding mask becomes ``start`` (the first real position), chunks
-count from there, and real tokens never attend or gate on padding. Padding inside a row
-(e.g. decoding after right padding), packed sequences, sliding windows and other custom
-masks raise a ``ValueError``.
+Padding and packing. A row may be left padded (batched generation) or right padded
+(batched training/scoring): the padding mask becomes ``start`` (the first real position),
+chunks count from there, and real tokens never attend or gate on padding. Packed sequences
+(several documents in one row, ``position_ids`` restarting at each, as HF's
+``DataCollatorWithFlattening`` produces) run as separate documents through
+``document_ids``: chunks restart at each document and nothing attends across them, as if
+each document ran alone. Padding inside a row (e.g. decoding after right padding),
+sliding windows and other custom masks raise a ``ValueError``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
+import torch.nn.functional as F
 
 from flexmoba import validation
 from flexmoba.attention import moba_attention
@@ -48,6 +65,7 @@ from flexmoba.decode import decode_attention, dense_causal_attention
 from flexmoba.kv_cache import ChunkKeySums
 
 MIN_TRANSFORMERS = "4.48"  # first release with transformers.AttentionInterface
+CONFIG_KEY = "moba"  # the model config's attribute holding its MoBA settings
 _SUMS_ATTR = "_flexmoba_chunk_sums"
 
 
@@ -69,22 +87,17 @@ def check_transformers_version(version: str | None = None) -> None:
         )
 
 
-def register(
-    name: str = "flexmoba",
-    *,
-    chunk_size: int,
-    top_k: int,
-    dense_decode: bool = False,
-    backend: str = "auto",
-    chunk_means: str = "running",
-) -> str:
-    """Register MoBA under ``attn_implementation=name``; returns ``name``.
+@dataclasses.dataclass(frozen=True)
+class MobaSettings:
+    """MoBA settings of one model: the keys ``config.moba`` may hold.
 
-    Args:
-        name: the ``attn_implementation`` string; register several names for several
-            settings.
-        chunk_size: MoBA block size in tokens.
-        top_k: chunks per query, its own chunk included.
+    Attributes:
+        chunk_size: MoBA block size in tokens (required, here or in :func:`register`).
+        top_k: chunks per query, its own chunk included (required likewise).
+        full_attention_last_n_layers: the last N layers (``module.layer_idx >=
+            num_hidden_layers - N``) use full causal attention, prefill and decoding.
+        granularity: ``"token"`` (the paper) or an int tile size dividing ``chunk_size``;
+            tiles have no decode path, so they decode only with ``dense_decode``.
         dense_decode: full causal attention whenever the model runs with cached keys
             (``q_len < kv_len``), MoBA for prefill only.
         backend: :func:`flexmoba.moba_attention` backend for prefill/training
@@ -94,11 +107,50 @@ def register(
             O(T * D), always exact: use it when the cache is edited in place at constant
             length, e.g. beam search, see the module docstring).
     """
+
+    chunk_size: int | None = None
+    top_k: int | None = None
+    full_attention_last_n_layers: int = 0
+    granularity: str | int = "token"
+    dense_decode: bool = False
+    backend: str = "auto"
+    chunk_means: str = "running"
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_size", "top_k"):
+            if getattr(self, name) is not None:
+                validation.check_positive_int(getattr(self, name), name)
+        n_full = self.full_attention_last_n_layers
+        if not isinstance(n_full, int) or isinstance(n_full, bool) or n_full < 0:
+            raise ValueError(f"full_attention_last_n_layers must be an int >= 0, got {n_full!r}")
+        if self.chunk_size is not None:
+            validation.check_granularity(self.granularity, self.chunk_size)
+        validation.check_backend(self.backend)
+        validation.check_bool(self.dense_decode, "dense_decode")
+        if self.chunk_means not in ("running", "recompute"):
+            raise ValueError(f"chunk_means must be 'running' or 'recompute', got {self.chunk_means!r}")
+
+    def as_config(self) -> dict:
+        """The settings as a ``config.moba`` dict (defaults left out)."""
+        defaults = MobaSettings()
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
+                if getattr(self, field.name) != getattr(defaults, field.name)}
+
+
+def register(name: str = "flexmoba", **defaults) -> str:
+    """Register MoBA under ``attn_implementation=name``; returns ``name``.
+
+    Args:
+        name: the ``attn_implementation`` string; register several names for several
+            default settings.
+        defaults: :class:`MobaSettings` fields used where a model's ``config.moba`` leaves
+            them out (a model without ``config.moba`` runs on these alone). Without
+            ``chunk_size`` and ``top_k`` here, every model must carry them in its config.
+    """
     check_transformers_version()
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
-    attention = make_attention_function(chunk_size=chunk_size, top_k=top_k, dense_decode=dense_decode,
-                                        backend=backend, chunk_means=chunk_means)
+    attention = make_attention_function(**defaults)
     from transformers import AttentionInterface
 
     AttentionInterface.register(name, attention)
@@ -110,13 +162,55 @@ def register(
     return name
 
 
+def settings_of(config, defaults: MobaSettings) -> MobaSettings:
+    """``defaults`` overridden by ``config.moba`` (a dict of :class:`MobaSettings` fields), complete."""
+    model_settings = getattr(config, CONFIG_KEY, None)
+    if model_settings is None:
+        settings = defaults
+    elif isinstance(model_settings, dict):
+        settings = merged_settings(defaults, tuple(sorted(model_settings.items())))
+    else:
+        raise TypeError(f"flexmoba: config.{CONFIG_KEY} must be a dict, got {type(model_settings).__name__}")
+    if settings.chunk_size is None or settings.top_k is None:
+        raise ValueError(f"flexmoba: no chunk_size/top_k for this model: set config.{CONFIG_KEY} = "
+                         "{'chunk_size': ..., 'top_k': ...} or pass them to register()")
+    return settings
+
+
+@functools.lru_cache(maxsize=64)
+def merged_settings(defaults: MobaSettings, items: tuple) -> MobaSettings:
+    """``defaults`` with the ``(key, value)`` pairs of a ``config.moba`` dict; cached, read on every call."""
+    known = {field.name for field in dataclasses.fields(MobaSettings)}
+    unknown = sorted(key for key, _ in items if key not in known)
+    if unknown:
+        raise ValueError(f"flexmoba: unknown key(s) {unknown} in config.{CONFIG_KEY}; known: {sorted(known)}")
+    try:
+        return dataclasses.replace(defaults, **dict(items))
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"flexmoba: config.{CONFIG_KEY}: {error}") from error
+
+
+def is_full_attention_layer(module, settings: MobaSettings) -> bool:
+    """Whether ``module`` is one of the last ``settings.full_attention_last_n_layers`` layers."""
+    n_full = settings.full_attention_last_n_layers
+    if n_full == 0:
+        return False
+    layer_idx = getattr(module, "layer_idx", None)
+    n_layers = getattr(getattr(module, "config", None), "num_hidden_layers", None)
+    if layer_idx is None or n_layers is None:
+        raise ValueError(f"flexmoba: full_attention_last_n_layers={n_full} needs the attention module's layer_idx "
+                         f"and config.num_hidden_layers; {type(module).__name__} lacks them")
+    return layer_idx >= n_layers - n_full
+
+
 def padding_mask(**kwargs) -> torch.Tensor | None:
     """Mask builder for the registered name: just the 2D ``[B, kv_len]`` padding mask.
 
     MoBA computes causality and its chunk selection itself, so a plain causal mask is
     passed on as the padding mask alone (no O(S^2) tensor). Anything else (sliding window,
     packed sequences, bidirectional, ...) is built in full as SDPA would get it, and the
-    attention function refuses it unless it is causal plus padding.
+    attention function refuses it unless it is causal plus padding, or causal within packed
+    documents (which then run as documents: the O(S^2) mask is only read).
     """
     from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
 
@@ -136,38 +230,112 @@ def padding_mask(**kwargs) -> torch.Tensor | None:
     return attention_mask[:, kv_offset: kv_offset + kv_length]
 
 
-def make_attention_function(*, chunk_size: int, top_k: int, dense_decode: bool = False, backend: str = "auto",
-                            chunk_means: str = "running"):
-    """The function transformers calls as ``attention_interface(module, q, k, v, mask, ...)``."""
-    chunk_size = validation.check_positive_int(chunk_size, "chunk_size")
-    top_k = validation.check_positive_int(top_k, "top_k")
-    backend = validation.check_backend(backend)
-    validation.check_bool(dense_decode, "dense_decode")
-    if chunk_means not in ("running", "recompute"):
-        raise ValueError(f"chunk_means must be 'running' or 'recompute', got {chunk_means!r}")
+def make_attention_function(**defaults):
+    """The function transformers calls as ``attention_interface(module, q, k, v, mask, ...)``.
+
+    ``defaults``: :class:`MobaSettings` fields, overridden per model by ``module.config.moba``.
+    """
+    defaults = MobaSettings(**defaults)
 
     def flexmoba_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                                    is_causal=None, **kwargs):
         """``query: [B, H, q_len, D]``, ``key, value: [B, H_kv, kv_len, D]`` -> (``[B, q_len, H, D]``, None)."""
         check_supported(module, dropout, is_causal, kwargs)
+        settings = settings_of(getattr(module, "config", None), defaults)
+        full = is_full_attention_layer(module, settings)
         q_len, kv_len = query.shape[2], key.shape[2]
         if q_len > kv_len:
             raise ValueError(f"flexmoba: {q_len} queries but only {kv_len} keys; "
                              "queries must sit at the last key positions")
-        key_real = key_padding(attention_mask, query.shape[0], q_len, kv_len, query.device)
-        start = padding_start(key_real, query.shape[0], query.device)
         if q_len == kv_len:
-            out = moba_attention(query, key, value, chunk_size=chunk_size, top_k=top_k, backend=backend,
-                                 scale=scaling, document_ids=padding_document_ids(key_real))
-        elif dense_decode:
-            out = dense_causal_attention(query, key, value, start if bool(start.any()) else None, scaling)
+            documents = prefill_document_ids(attention_mask, kwargs.get("position_ids"), query.shape[0], q_len,
+                                             query.device)
+            out = prefill_attention(query, key, value, documents, settings, full, scaling)
         else:
-            sums = running_chunk_sums(module, key, kv_len - q_len, start, chunk_size,
-                                      trust=chunk_means == "running")
-            out = decode_attention(query, key, value, sums, top_k=top_k, scale=scaling)
+            out = cached_attention(module, query, key, value, attention_mask, settings, full, scaling)
         return out.transpose(1, 2).contiguous(), None
 
     return flexmoba_attention_forward
+
+
+def prefill_attention(query, key, value, documents, settings: MobaSettings, full: bool, scaling):
+    """MoBA (or full causal attention in a full layer) within each document -> ``[B, H, S, D]``."""
+    if full:
+        return full_causal_attention(query, key, value, documents, scaling)
+    return moba_attention(query, key, value, chunk_size=settings.chunk_size, top_k=settings.top_k,
+                          granularity=settings.granularity, backend=settings.backend, scale=scaling,
+                          document_ids=documents)
+
+
+def full_causal_attention(query, key, value, documents: torch.Tensor | None, scaling) -> torch.Tensor:
+    """``query: [B, H, S, D]`` attends every earlier key of its own document (``documents: [B, S]`` or None)."""
+    gqa = query.shape[1] != key.shape[1]
+    if documents is None:
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+    positions = torch.arange(query.shape[2], device=query.device)
+    allowed = (documents[:, :, None] == documents[:, None, :]) & (positions[None, :] <= positions[:, None])
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed[:, None], scale=scaling,
+                                          enable_gqa=gqa)
+
+
+def cached_attention(module, query, key, value, attention_mask, settings: MobaSettings, full: bool, scaling):
+    """Queries at the end of cached keys: MoBA decode, or full causal attention -> ``[B, H, q_len, D]``."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    key_real = key_padding(attention_mask, query.shape[0], q_len, kv_len, query.device)
+    start = padding_start(key_real, query.shape[0], query.device)
+    if full or settings.dense_decode:
+        return dense_causal_attention(query, key, value, start if bool(start.any()) else None, scaling)
+    if settings.granularity != "token":
+        raise ValueError(f"flexmoba: granularity={settings.granularity!r} has no decode path; decode with "
+                         f"config.{CONFIG_KEY}['dense_decode'] = True or re-run the whole sequence without a cache")
+    sums = running_chunk_sums(module, key, kv_len - q_len, start, settings.chunk_size,
+                              trust=settings.chunk_means == "running")
+    return decode_attention(query, key, value, sums, top_k=settings.top_k, scale=scaling)
+
+
+def prefill_document_ids(attention_mask, position_ids, batch: int, seq_len: int, device) -> torch.Tensor | None:
+    """``[B, S]`` document of every token when a row holds more than one, else None.
+
+    Padding runs count as documents. Packed documents are read from a 4D mask (how
+    transformers >= 4.53 passes packing) or, with no mask at all, from ``position_ids``
+    restarting per document (as flash attention reads them).
+    """
+    if attention_mask is None:
+        return packed_document_ids(position_ids, batch)
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
+        documents = mask_document_ids(attention_mask.to(device))
+        if documents is not None:
+            return documents
+    key_real = key_padding(attention_mask, batch, seq_len, seq_len, device)
+    padding_start(key_real, batch, device)  # one run of real tokens per row
+    return padding_document_ids(key_real)
+
+
+def packed_document_ids(position_ids: torch.Tensor | None, batch: int) -> torch.Tensor | None:
+    """``position_ids: [B or 1, S]`` -> ``[B, S]`` document ids, a new one wherever a position does not
+    follow the previous one by 1; None if every row is one document."""
+    if position_ids is None:
+        return None
+    position_ids = position_ids.expand(batch, -1)
+    steps = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    documents = (steps != 1).cumsum(dim=-1)
+    return documents if bool(documents[:, -1].any()) else None
+
+
+def mask_document_ids(attention_mask: torch.Tensor) -> torch.Tensor | None:
+    """The ``[B, S]`` documents of a 4D ``[B, 1 or H, S, S]`` mask that is causal within each document
+    (block-diagonal causal: packed sequences); None if the mask is anything else or one document per row."""
+    allowed = (attention_mask == 0 if attention_mask.is_floating_point() else attention_mask != 0)[:, 0]
+    if allowed.shape[-1] != allowed.shape[-2]:
+        return None
+    positions = torch.arange(allowed.shape[-1], device=allowed.device)
+    first_key = allowed.long().argmax(dim=-1)  # [B, S]; a row attending nothing gives 0
+    documents = (first_key == positions).cumsum(dim=-1)
+    if not bool(documents[:, -1].gt(1).any()):
+        return None
+    causal = positions[None, :] <= positions[:, None]
+    same_document = documents[:, :, None] == documents[:, None, :]
+    return documents if torch.equal(allowed, same_document & causal) else None
 
 
 def check_supported(module, dropout, is_causal, kwargs) -> None:
@@ -212,13 +380,13 @@ def key_padding(attention_mask, batch: int, q_len: int, kv_len: int, device) -> 
     q_pos = kv_len - q_len + torch.arange(q_len, device=device)
     causal = torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]
     # Rows from the first real token on must be causal plus padding; left-padding rows attend
-    # nothing (or, after transformers' SDPA fix-up, everything). A packed sequence fails here.
+    # nothing (or, after transformers' SDPA fix-up, everything).
     after_start = (q_pos[None, :] >= padding_start(key_real, batch, device)[:, None])[..., None]  # [B, q_len, 1]
     all_or_nothing = ~allowed.any(-1, keepdim=True) | allowed.all(-1, keepdim=True)
     causal_padding = allowed == (key_real[:, None, :] & causal)
     if not bool(torch.where(after_start, causal_padding, all_or_nothing).all()):
-        raise ValueError("flexmoba: the attention mask is not causal plus padding (sliding window, packed "
-                         "sequences or a custom mask?); MoBA supports only causal attention with padding")
+        raise ValueError("flexmoba: the attention mask is not causal plus padding (sliding window or a custom "
+                         "mask?); MoBA supports causal attention with padding, or within packed documents")
     return key_real
 
 
