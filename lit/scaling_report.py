@@ -9,6 +9,8 @@ sweep folder:
   Table 3 form, with standard errors, bootstrap intervals and projected crossovers;
 - ``scaling.png``: log-log loss vs PFLOP/s-days, one panel per window plus the whole
   sequence, measured points and dashed projections extended beyond the measured range.
+
+    flexmoba scaling-report --sweep_dir runs/sweep-toy
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from __future__ import annotations
 import csv
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
+from lit.command_line import fail, parse_dataclass
 from lit.scaling_law import PowerLaw, crossover, fit_power_law
 
 WHOLE, TRAILING, POSITION_PREFIX = "val/loss", "val/loss_trailing", "val/loss_pos_"
@@ -177,3 +181,25 @@ def write_report(sweep_dir: Path, bootstrap: int = 200) -> Path:
     report = sweep_dir / "report.md"
     report.write_text(markdown(results, keys, laws, laws_total))
     return report
+
+
+@dataclass
+class ReportJob:
+    """What ``flexmoba scaling-report`` rebuilds.
+
+    Args:
+        sweep_dir: a sweep folder holding ``*/result.json`` (the sweep's ``out_dir``).
+        bootstrap: bootstrap resamples for the fits' intervals.
+    """
+
+    sweep_dir: str
+    bootstrap: int = 200
+
+
+def main(argv: list[str] | None = None) -> None:
+    job = parse_dataclass(ReportJob, argv, prog="flexmoba scaling-report", description=__doc__)
+    try:
+        report = write_report(Path(job.sweep_dir), job.bootstrap)
+    except ValueError as error:
+        fail("flexmoba scaling-report", str(error))
+    print(f"report: {report}")

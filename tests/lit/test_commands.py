@@ -1,0 +1,47 @@
+"""The one ``flexmoba`` command: its subcommands, --help on each, --version, clear errors."""
+
+import pytest
+
+import flexmoba
+from lit.commands import SUBCOMMANDS, main
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    try:
+        main(list(argv))
+        code = 0
+    except SystemExit as exit:
+        code = exit.code or 0
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_version(capsys):
+    assert run(capsys, "--version") == (0, f"flexmoba {flexmoba.__version__}\n", "")
+
+
+def test_bare_command_lists_every_subcommand(capsys):
+    code, out, _ = run(capsys)
+    assert code == 0
+    assert all(f"  {name} " in out for name in SUBCOMMANDS)
+
+
+@pytest.mark.parametrize("name", SUBCOMMANDS)
+def test_every_subcommand_has_help(name, capsys):
+    argv = ["bench", "attention", "--help"] if name == "bench" else [name, "--help"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    assert out.startswith("usage: flexmoba"), out[:200]
+    if name not in ("fit", "validate", "test", "predict"):
+        assert out.startswith(f"usage: flexmoba {name}"), out[:200]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["comprae"], "unknown subcommand 'comprae'; did you mean compare?"),
+    (["bench"], "name a benchmark"),
+    (["bench", "no_such"], "no benchmark named 'no_such'"),
+    (["scaling-report", "--sweep_dir", "/no/such/folder"], "no finished runs"),
+])
+def test_errors_are_one_line_with_exit_2(argv, message, capsys):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and err.count("\n") == 1 and message in err, err
