@@ -23,11 +23,17 @@ from lit.checkpoint import load_model
 
 BLOCK = 128  # flex block size of the benchmarks
 
+# Reports go to an ignored folder unless --out names the committed one (benchmarks/results).
+DEFAULT_OUT = Path("runs/benchmarks")
+
 # -- timing and memory -------------------------------------------------------------------
 
 
 def median_seconds(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> float:
     """Median wall time of ``fn()`` over ``repeats`` runs, after ``warmup`` untimed runs."""
+    if repeats < 2 or warmup < 1:
+        raise ValueError(f"timing needs a warm-up and at least 2 repeats (got warmup={warmup}, repeats={repeats}): "
+                         "one cold call is not a measurement")
     for _ in range(warmup):
         fn()
     times = []

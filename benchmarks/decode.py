@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import finish_report, print_row
+from benchmarks.common import DEFAULT_OUT, finish_report, print_row
 from flexmoba import moba_reference
 from flexmoba.decode import moba_decode_attention
 from flexmoba.kv_cache import MoBAKVCache
@@ -143,7 +143,7 @@ def main(argv=None) -> None:
     parser.add_argument("--check-up-to", type=int, default=4096,
                         help="compare with moba_reference (dense, O(S^2) memory) up to this context")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report folder (committed: benchmarks/results)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

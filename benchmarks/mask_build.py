@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import block_density, finish_report, median_seconds, print_row
+from benchmarks.common import DEFAULT_OUT, block_density, finish_report, median_seconds, print_row
 from flexmoba import compiled_flex_attention, moba_block_mask, moba_flex_plan
 
 COLUMNS = [
@@ -61,7 +61,7 @@ def main(argv=None) -> None:
     parser.add_argument("--top-k", type=int, default=3)
     parser.add_argument("--tile", type=int, default=128, help="tile size of the tile-granularity rows")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report folder (committed: benchmarks/results)")
     args = parser.parse_args(argv)
 
     compiled_flex_attention()

@@ -26,7 +26,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import finish_report, median_seconds, peak_extra_mb, print_row, settle_malloc
+from benchmarks.common import (
+    DEFAULT_OUT,
+    finish_report,
+    median_seconds,
+    peak_extra_mb,
+    print_row,
+    settle_malloc,
+)
 from flexmoba.model import GPT, ModelConfig
 
 COLUMNS = [
@@ -112,7 +119,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="timed steps (median)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--device", default="cuda" if cuda else "cpu")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="report folder")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report folder (committed: benchmarks/results)")
     return p.parse_args(argv)
 
 

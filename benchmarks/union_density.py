@@ -22,7 +22,15 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import BLOCK, attended_pairs, capture_qkv, finish_report, load_checkpoint_model, print_row
+from benchmarks.common import (
+    BLOCK,
+    DEFAULT_OUT,
+    attended_pairs,
+    capture_qkv,
+    finish_report,
+    load_checkpoint_model,
+    print_row,
+)
 from flexmoba import select_chunks, selection_block_mask
 from flexmoba.flex_plan import plan_from_selection
 
@@ -60,7 +68,7 @@ def main(argv=None) -> None:
     p.add_argument("--chunk-size", type=int, help="default: the checkpoint's, else 512")
     p.add_argument("--top-k", type=int, help="default: the checkpoint's, else 3")
     p.add_argument("--heads", type=int, default=4, help="H for random inputs")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report folder (committed: benchmarks/results)")
     args = p.parse_args(argv)
     if args.ckpt is not None:
         model = load_checkpoint_model(args.ckpt, torch.device("cpu"))
