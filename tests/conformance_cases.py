@@ -1,7 +1,9 @@
-"""Where the official MoBA conformance vectors live (``../shared/conformance``) and how to load them.
+"""Where the official MoBA conformance vectors live (``tests/data/conformance``) and how to load them.
 
-Locally, missing vectors make their tests skip. CI sets ``FLEXMOBA_REQUIRE_CONFORMANCE=1``
-(see ``.ci/run``), and then missing or incomplete vectors fail the run instead.
+They ship with the repository (see the README there for their origin and checksums), so the
+conformance tests run in any checkout. Should they be missing, their tests skip; CI sets
+``FLEXMOBA_REQUIRE_CONFORMANCE=1`` (see ``.ci/run``), and then missing or incomplete vectors
+fail the run instead.
 """
 
 import os
@@ -10,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-CONFORMANCE_DIR = Path(__file__).resolve().parents[2] / "shared" / "conformance"
+CONFORMANCE_DIR = Path(__file__).resolve().parent / "data" / "conformance"
 FILES = ("moba_naive_edge.pt", "moba_naive_random.pt")
 N_CASES = 44  # 14 edge cases + 30 random ones
 REQUIRE_ENV = "FLEXMOBA_REQUIRE_CONFORMANCE"

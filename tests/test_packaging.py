@@ -1,5 +1,6 @@
 """The library installs and runs with torch alone; one version number; the license ships."""
 
+import hashlib
 import re
 import subprocess
 import sys
@@ -10,6 +11,8 @@ from pathlib import Path
 import pytest
 
 import flexmoba
+
+import conformance_cases
 
 REPO = Path(__file__).resolve().parents[1]
 TRAINING_STACK = ("lightning", "pytorch_lightning", "lightning_fabric", "torchmetrics", "jsonargparse",
@@ -81,3 +84,14 @@ def test_installed_metadata_matches_when_installed():
 def test_license_is_mit():
     text = (REPO / "LICENSE").read_text()
     assert text.startswith("MIT License") and "Copyright (c) 2026 the flexmoba authors" in text
+
+
+def test_conformance_vectors_ship_with_the_repository():
+    """The official vectors are read from the repository's test data, byte for byte as recorded."""
+    folder = conformance_cases.CONFORMANCE_DIR
+    assert folder.is_relative_to(REPO / "tests"), folder
+    listing = re.findall(r"^\s+([0-9a-f]{64})\s+(\S+\.pt)$", (folder / "README.md").read_text(), re.M)
+    recorded = {name: digest for digest, name in listing}
+    assert set(recorded) == set(conformance_cases.FILES)
+    for name, digest in recorded.items():
+        assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == digest, name
