@@ -15,6 +15,16 @@ from dataclasses import dataclass
 import torch
 
 PFLOP_S_DAY = 1e15 * 24 * 3600  # FLOPs in one PFLOP/s-day
+# Student's t, two-sided 95% (the 0.975 quantile), by degrees of freedom.
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def t_975(dof: int) -> float:
+    """Student's t 0.975 quantile; past the table, the Cornish-Fisher expansion (within 0.01)."""
+    if dof < 1:
+        raise ValueError(f"a t interval needs at least 1 degree of freedom, got {dof}")
+    z = 1.959964
+    return T_975.get(dof, z + (z**3 + z) / (4 * dof) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * dof**2))
 
 
 def pflops_days(flops: float) -> float:
@@ -23,7 +33,10 @@ def pflops_days(flops: float) -> float:
 
 @dataclass(frozen=True)
 class PowerLaw:
-    """``L = a · C^b`` with standard errors and, when bootstrapped, 95% intervals."""
+    """``L = a · C^b`` with standard errors and, when bootstrapped, 95% intervals.
+
+    Two points fit exactly: no error estimate (standard errors NaN, no intervals).
+    """
 
     a: float
     b: float
@@ -35,6 +48,13 @@ class PowerLaw:
 
     def __call__(self, compute):
         return self.a * torch.as_tensor(compute, dtype=torch.float64) ** self.b
+
+    def b_t_interval(self) -> tuple[float, float] | None:
+        """95% interval of ``b`` from its standard error, t with ``n_points - 2`` degrees of freedom."""
+        if self.n_points < 3:
+            return None
+        half = t_975(self.n_points - 2) * self.b_stderr
+        return self.b - half, self.b + half
 
     def formula(self) -> str:
         """The paper's Table 3 form, e.g. ``1.546·C^-0.108``."""
@@ -76,7 +96,7 @@ def fit_power_law(compute, loss, bootstrap: int = 0, seed: int = 0) -> PowerLaw:
     log_a, b, se_log_a, se_b = _least_squares(log_c, log_l)
     a = math.exp(log_a)
     a_interval = b_interval = None
-    if bootstrap > 0:
+    if bootstrap > 0 and c.numel() > 2:  # resampling two points only ever returns the same line
         a_interval, b_interval = _bootstrap_intervals(log_c, log_l, bootstrap, seed)
     return PowerLaw(a, b, a * se_log_a, se_b, c.numel(), a_interval, b_interval)
 

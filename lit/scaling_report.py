@@ -83,9 +83,12 @@ def fit_all(results: list[dict], keys: list[str], compute_key: str = "compute_6n
 def _law_cell(law: PowerLaw | None) -> str:
     if law is None:
         return "n/a"
-    cell = f"{law.formula()} (±{law.b_stderr:.3f} on b"
+    if law.n_points < 3:
+        return f"{law.formula()} ({law.n_points} points: exact fit, no error estimate)"
+    low, high = law.b_t_interval()
+    cell = f"{law.formula()} (±{law.b_stderr:.3f} on b; 95% t: [{low:.3f}, {high:.3f}]"
     if law.b_interval:
-        cell += f"; 95% b in [{law.b_interval[0]:.3f}, {law.b_interval[1]:.3f}]"
+        cell += f"; bootstrap [{law.b_interval[0]:.3f}, {law.b_interval[1]:.3f}]"
     return cell + ")"
 
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lit.scaling_law import PFLOP_S_DAY, crossover, fit_power_law, pflops_days
+from lit.scaling_law import PFLOP_S_DAY, crossover, fit_power_law, pflops_days, t_975
 
 
 @given(a=st.floats(0.5, 5.0), b=st.floats(-0.3, -0.01), seed=st.integers(0, 1000))
@@ -62,3 +62,31 @@ def test_pflops_days():
 def test_bad_points(compute, loss, words):
     with pytest.raises(ValueError, match=words):
         fit_power_law(compute, loss)
+
+
+def test_t_interval_uses_n_minus_2_degrees_of_freedom():
+    # Four points with known residuals: the line through them and its standard error by hand.
+    log_c = [0.0, 1.0, 2.0, 3.0]
+    log_l = [0.0, -0.1 + 0.01, -0.2 - 0.01, -0.3]
+    law = fit_power_law([math.exp(x) for x in log_c], [math.exp(y) for y in log_l])
+    n, mean_x = 4, 1.5
+    b = sum((x - mean_x) * y for x, y in zip(log_c, log_l, strict=True)) / sum((x - mean_x) ** 2 for x in log_c)
+    intercept = sum(log_l) / n - b * mean_x
+    rss = sum((y - intercept - b * x) ** 2 for x, y in zip(log_c, log_l, strict=True))
+    se_b = math.sqrt(rss / (n - 2) / sum((x - mean_x) ** 2 for x in log_c))
+    low, high = law.b_t_interval()
+    assert law.b == pytest.approx(b) and law.b_stderr == pytest.approx(se_b)
+    assert (low, high) == pytest.approx((b - 4.303 * se_b, b + 4.303 * se_b))  # t(0.975, 2 dof)
+
+
+def test_two_points_fit_exactly_and_claim_no_uncertainty():
+    law = fit_power_law([1e-3, 1e-2], [3.0, 2.9], bootstrap=100)
+    assert math.isnan(law.b_stderr) and law.b_t_interval() is None
+    assert law.a_interval is None and law.b_interval is None
+
+
+def test_t_quantile_past_the_table():
+    assert t_975(10) == 2.228
+    assert t_975(30) == pytest.approx(2.042, abs=0.002) and t_975(1000) == pytest.approx(1.962, abs=0.001)
+    with pytest.raises(ValueError, match="degree of freedom"):
+        t_975(0)
