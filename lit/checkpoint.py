@@ -1,7 +1,8 @@
 """The one loader of flexmoba checkpoints (generate, retrieval evaluation, benchmarks).
 
 A checkpoint is what ``flexmoba fit`` writes: a Lightning checkpoint whose
-``hyper_parameters["config"]`` holds the :class:`flexmoba.model.ModelConfig`, whose
+``hyper_parameters["config"]`` holds the :class:`flexmoba.model.ModelConfig`'s fields as a
+plain dict (so it loads with ``torch.load(weights_only=True)``: no pickled objects), whose
 ``state_dict`` keys start with ``model.`` and whose ``attention_override`` records a phase
 switch. A plain ``{"config": ..., "state_dict": ...}`` dict works too. Loading needs torch
 only, not Lightning.
@@ -10,6 +11,7 @@ only, not Lightning.
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from pathlib import Path
 
 import torch
@@ -18,9 +20,13 @@ from flexmoba.model import GPT, ModelConfig
 
 
 def read_checkpoint(path: str | Path) -> dict:
-    """The checkpoint's dict, on CPU."""
-    # Our own checkpoints pickle a ModelConfig, which weights-only loading refuses.
-    return torch.load(path, map_location="cpu", weights_only=False)
+    """The checkpoint's dict, on CPU; tensors and plain data only (``weights_only=True``)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise ValueError(f"{path} holds pickled objects, which flexmoba does not load (weights_only=True); "
+                         "a checkpoint written before the model config was stored as a dict? Re-save it "
+                         "from a trusted Python session with the config converted by dataclasses.asdict") from error
 
 
 def checkpoint_config(checkpoint: dict) -> ModelConfig:

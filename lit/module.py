@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -53,7 +54,9 @@ class LitLM(L.LightningModule):
     ):
         super().__init__()
         self.save_hyperparameters()
-        self.config = config or ModelConfig()
+        self.config = ModelConfig(**config) if isinstance(config, dict) else config or ModelConfig()
+        # Plain data, so that checkpoints load with torch.load(weights_only=True).
+        self.hparams["config"] = dataclasses.asdict(self.config)
         self.model = GPT(self.config)
         self.seq_len = seq_len
         self.windows = position_windows(seq_len, position_window)
