@@ -127,3 +127,18 @@ def test_training_checkpoints_hold_plain_data_only(exported, tmp_path):
     torch.save(checkpoint, tmp_path / "pickled.ckpt")  # as checkpoints were written before
     with pytest.raises(ValueError, match="pickled objects.*weights_only=True"):
         load_model(tmp_path / "pickled.ckpt")
+
+
+def test_tile_granularity_exports_and_refuses_cached_moba_decoding(tmp_path):
+    ckpt = save_tiny_checkpoint(tmp_path / "tiles.ckpt", dict(n_layers=2, moba_granularity=4), None)
+    out = export_hf.main(["--ckpt", str(ckpt), "--out", str(tmp_path / "hf")])
+    ids = tokens()
+    with torch.no_grad():
+        expected = load_model(ckpt)(ids)
+    model = AutoModelForCausalLM.from_pretrained(out, attn_implementation="flexmoba").eval()
+    assert model.config.moba["granularity"] == 4
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected, **TOL)
+        with pytest.raises(ValueError, match="granularity=4 has no decode path"):
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False,
+                           pad_token_id=0)
