@@ -9,7 +9,13 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("transformers")
-from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import (  # noqa: E402
+    AttentionInterface,
+    DataCollatorWithFlattening,
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 from flexmoba import moba_reference  # noqa: E402
 from flexmoba.integrations import transformers as hf  # noqa: E402
@@ -363,6 +369,17 @@ def test_packed_sequences_equal_per_document_forwards(use_cache, n_full):
     packed = logits(model, ids, position_ids=position_ids, use_cache=use_cache)
     alone = torch.cat([logits(model, part) for part in ids.split(DOCUMENTS, dim=1)], dim=1)
     torch.testing.assert_close(packed, alone, **TOL)
+
+
+def test_packing_collator_training_loss_equals_per_document_losses():
+    # DataCollatorWithFlattening: one row, position ids restarting per document, -100 at each start.
+    model, ids = configured_llama(full_attention_last_n_layers=1), tokens(B=1)
+    documents = [part[0].tolist() for part in ids.split(DOCUMENTS, dim=1)]
+    batch = DataCollatorWithFlattening()([{"input_ids": doc} for doc in documents])
+    with torch.no_grad():
+        packed = model(**batch, use_cache=False).loss
+        alone = [model(torch.tensor([doc]), labels=torch.tensor([doc])).loss * (len(doc) - 1) for doc in documents]
+    torch.testing.assert_close(packed, sum(alone) / (sum(DOCUMENTS) - len(DOCUMENTS)), **TOL)
 
 
 def test_packed_batch_of_rows_with_different_documents():

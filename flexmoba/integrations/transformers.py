@@ -329,7 +329,7 @@ def mask_document_ids(attention_mask: torch.Tensor) -> torch.Tensor | None:
     if allowed.shape[-1] != allowed.shape[-2]:
         return None
     positions = torch.arange(allowed.shape[-1], device=allowed.device)
-    first_key = allowed.long().argmax(dim=-1)  # [B, S]; a row attending nothing gives 0
+    first_key = allowed.to(torch.uint8).argmax(dim=-1)  # [B, S]; a row attending nothing gives 0
     documents = (first_key == positions).cumsum(dim=-1)
     if not bool(documents[:, -1].gt(1).any()):
         return None
