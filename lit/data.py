@@ -1,13 +1,18 @@
-"""Byte-level corpus of Python source files (default: this interpreter's standard library).
+"""Byte-level corpus of files under a root (default: the ``.py`` files of this interpreter's stdlib).
 
-- Documents are ``.py`` files under ``corpus_dir``; ``site-packages`` is skipped.
+- Documents are the files under ``root`` whose path matches one of ``patterns`` (globs such
+  as ``*.txt``, matched against the end of the relative path, so at any depth); hidden
+  folders, ``site-packages`` and ``__pycache__`` are skipped.
 - Tokens are raw bytes (vocabulary 256).
 - Train/val/test split by a hash of each file's relative path: stable across machines
   and across ``max_files``/``max_bytes`` slices.
 - Training sequences are ``seq_len + 1`` tokens cut from one document (never across a
-  document boundary), so "position t" really means "t tokens into a file".
-- The tokenized splits are cached under ``cache_dir`` keyed by a fingerprint of the file
-  list, sizes, Python version and slicing options.
+  document boundary), so "position t" really means "t tokens into a file"; a long document
+  stays whole and gives many sequences.
+- The tokenized corpus is cached under ``cache_dir`` as a raw ``uint8`` file (``.bin``,
+  memory-mapped by every process and DataLoader worker, never loaded whole), document
+  offsets (``.npy``) and a manifest (``.json``, written last: a cache without it is not
+  there yet). The first process to need it writes it, atomically.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ import math
 import os
 import sys
 import sysconfig
-from pathlib import Path
+from collections.abc import Iterator, Sequence
+from itertools import islice
+from pathlib import Path, PurePosixPath
 
 import lightning as L
 import numpy as np
@@ -33,10 +40,15 @@ VOCAB_SIZE = 256
 PAD_TOKEN = 0  # input filler after a short document ends; its targets are IGNORE_INDEX
 SPLITS = ("train", "val", "test")
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+DEFAULT_PATTERNS = ("*.py",)
 
 
-def default_corpus_dir() -> str:
+def default_root() -> str:
+    """The running interpreter's standard library."""
     return sysconfig.get_paths()["stdlib"]
+
+
+default_corpus_dir = default_root  # older name
 
 
 def default_cache_dir() -> str:
@@ -44,18 +56,33 @@ def default_cache_dir() -> str:
     return os.path.join(root, "flexmoba")
 
 
+def walk_files(root: str) -> Iterator[Path]:
+    """Every regular file under ``root``, skipping hidden folders and Python's package folders."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith("."))
+        for name in filenames:
+            path = Path(dirpath) / name
+            if path.is_file():
+                yield path
+
+
+def matches(relative_path: str, patterns: Sequence[str]) -> bool:
+    return any(PurePosixPath(relative_path).match(pattern) for pattern in patterns)
+
+
+def list_files(root: str, patterns: Sequence[str] = DEFAULT_PATTERNS) -> list[tuple[str, int]]:
+    """Sorted ``(relative path, size in bytes)`` of the files under ``root`` matching ``patterns``."""
+    files = []
+    for path in walk_files(root):
+        rel = path.relative_to(root).as_posix()
+        if matches(rel, patterns):
+            files.append((rel, path.stat().st_size))
+    return sorted(files)
+
+
 def list_python_files(corpus_dir: str) -> list[tuple[str, int]]:
     """Sorted ``(relative path, size in bytes)`` of the ``.py`` files under ``corpus_dir``."""
-    root = Path(corpus_dir)
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
-        for name in filenames:
-            if name.endswith(".py"):
-                path = Path(dirpath) / name
-                if path.is_file():
-                    files.append((path.relative_to(root).as_posix(), path.stat().st_size))
-    return sorted(files)
+    return list_files(corpus_dir, DEFAULT_PATTERNS)
 
 
 def path_hash(relative_path: str) -> float:
@@ -112,18 +139,39 @@ def select_files(
     return selected
 
 
-def corpus_fingerprint(selected: dict[str, list[tuple[str, int]]], **options) -> str:
-    """Hash of the selected files (paths and sizes), the Python version and slicing options."""
+def corpus_fingerprint(selected: dict[str, list[tuple[str, int]]], *, python: str | None = None, **options) -> str:
+    """Hash of the selected files (paths and sizes), the slicing options and, for the stdlib,
+    the Python version. Checkpoints store it, so a resumed run checks its data is the same."""
     payload = {
-        "python": sys.version,
+        "python": python,
         "options": options,
         "files": {split: [[rel, size] for rel, size in files] for split, files in selected.items()},
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def source_key(root: str, selected: dict[str, list[tuple[str, int]]]) -> str:
+    """Hash of where the files are and when they last changed: the cache never serves one
+    folder's bytes for another folder with the same names and sizes, or for edited files."""
+    resolved = Path(root).resolve()
+    stamps = [(rel, (resolved / rel).stat().st_mtime_ns) for split in SPLITS for rel, _ in selected[split]]
+    payload = {"root": str(resolved), "mtimes": stamps}
+    return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:8]
+
+
+def write_token_file(root: str, files: list[tuple[str, int]], path: Path) -> np.ndarray:
+    """Concatenate the files' bytes into ``path``, streaming; return document offsets ``[n_docs + 1]``."""
+    offsets = [0]
+    with open(path, "wb") as out:
+        for rel, _ in files:
+            data = (Path(root) / rel).read_bytes()
+            out.write(data)
+            offsets.append(offsets[-1] + len(data))
+    return np.asarray(offsets, dtype=np.int64)
+
+
 def read_documents(corpus_dir: str, files: list[tuple[str, int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenated bytes ``[n_tokens]`` uint8 and document offsets ``[n_docs + 1]`` int64."""
+    """Concatenated bytes ``[n_tokens]`` uint8 and document offsets ``[n_docs + 1]`` int64, in memory."""
     chunks, offsets = [], [0]
     for rel, _ in files:
         data = (Path(corpus_dir) / rel).read_bytes()
@@ -131,6 +179,43 @@ def read_documents(corpus_dir: str, files: list[tuple[str, int]]) -> tuple[np.nd
         offsets.append(offsets[-1] + len(data))
     tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint8)
     return tokens, np.asarray(offsets, dtype=np.int64)
+
+
+class TokenCache:
+    """The corpus tokenized once: ``<stem>.bin`` (uint8 bytes of every document, train then
+    val then test), ``<stem>.npy`` (document offsets into it) and ``<stem>.json`` (manifest:
+    each split's document range). Written by whichever process gets there first; every file
+    is renamed into place, the manifest last, so a reader sees a whole cache or none.
+    """
+
+    def __init__(self, cache_dir: str, stem: str):
+        self.base = Path(cache_dir) / stem
+
+    def path(self, suffix: str) -> Path:
+        return self.base.with_name(self.base.name + suffix)
+
+    def exists(self) -> bool:
+        return all(self.path(s).is_file() for s in (".bin", ".npy", ".json"))
+
+    def write(self, root: str, selected: dict[str, list[tuple[str, int]]], manifest: dict) -> None:
+        self.base.parent.mkdir(parents=True, exist_ok=True)
+        tmp = {s: self.path(f".{os.getpid()}.tmp{s}") for s in (".bin", ".npy", ".json")}
+        files = [f for split in SPLITS for f in selected[split]]
+        offsets = write_token_file(root, files, tmp[".bin"])
+        np.save(tmp[".npy"], offsets)
+        first_doc = np.cumsum([0] + [len(selected[split]) for split in SPLITS]).tolist()
+        manifest = {**manifest, "documents": {s: first_doc[i : i + 2] for i, s in enumerate(SPLITS)},
+                    "tokens": {s: int(offsets[first_doc[i + 1]] - offsets[first_doc[i]]) for i, s in enumerate(SPLITS)}}
+        tmp[".json"].write_text(json.dumps(manifest, indent=2))
+        for suffix in (".bin", ".npy", ".json"):  # atomic renames, the manifest last
+            os.replace(tmp[suffix], self.path(suffix))
+
+    def read(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Each split's ``(tokens, offsets)``: tokens is the memory-mapped file, offsets index into it."""
+        documents = json.loads(self.path(".json").read_text())["documents"]
+        tokens = np.memmap(self.path(".bin"), dtype=np.uint8, mode="r")
+        offsets = np.load(self.path(".npy"))
+        return {split: (tokens, offsets[first : last + 1]) for split, (first, last) in documents.items()}
 
 
 def sequence_starts(offsets: np.ndarray, seq_len: int, pad_short_docs: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -155,7 +240,11 @@ def sequence_starts(offsets: np.ndarray, seq_len: int, pad_short_docs: bool) -> 
 
 
 class ByteSequences(Dataset):
-    """``(inputs, targets)``, each ``[seq_len]`` int64; padded targets are ``IGNORE_INDEX``."""
+    """``(inputs, targets)``, each ``[seq_len]`` int64; padded targets are ``IGNORE_INDEX``.
+
+    ``tokens`` may be a memory-mapped file; pickled (to a spawned DataLoader worker) it
+    travels as its file name and is mapped again, never copied.
+    """
 
     def __init__(self, tokens: np.ndarray, offsets: np.ndarray, seq_len: int, pad_short_docs: bool):
         self.tokens = tokens
@@ -173,6 +262,24 @@ class ByteSequences(Dataset):
         inputs[: length - 1] = window[:-1]
         targets[: length - 1] = window[1:]
         return inputs, targets
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        if isinstance(self.tokens, np.memmap):
+            state["tokens"] = MappedFile(self.tokens.filename)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        if isinstance(state["tokens"], MappedFile):
+            state["tokens"] = np.memmap(state["tokens"].filename, dtype=np.uint8, mode="r")
+        self.__dict__.update(state)
+
+
+class MappedFile:
+    """A memory-mapped token file, by name (what a pickled :class:`ByteSequences` carries)."""
+
+    def __init__(self, filename: str):
+        self.filename = filename
 
 
 def world_and_rank() -> tuple[int, int]:
@@ -215,12 +322,15 @@ class EvalSampler(DistributedSampler):
         return len(range(self.rank, len(self.dataset), self.num_replicas))
 
 
-class PythonSourceData(L.LightningDataModule):
-    """Byte sequences from Python sources.
+class ByteFilesData(L.LightningDataModule):
+    """Byte sequences from the files under a folder: your own text, or by default the
+    ``.py`` files of the running interpreter's standard library.
 
     Args:
-        corpus_dir: folder searched recursively for ``.py`` files; default: the stdlib of
-            the running interpreter.
+        root: folder searched recursively; default: the stdlib of the running interpreter.
+        patterns: globs a file's relative path must match (one is enough), e.g.
+            ``["*.txt", "*.md"]``; matched from the end, so ``*.md`` matches at any depth
+            and ``docs/*.md`` the ``.md`` files of any ``docs`` folder. Default ``["*.py"]``.
         seq_len: tokens per training sequence (targets are shifted by one).
         batch_size: sequences per batch (per process under DDP).
         val_fraction, test_fraction: share of files (by path hash) in val and test.
@@ -228,14 +338,16 @@ class PythonSourceData(L.LightningDataModule):
             padded with ignored targets; otherwise they are dropped.
         max_files, max_bytes: slice the corpus for quick runs (bounds the train split;
             val/test get a proportional share, at least one file).
-        cache_dir: where tokenized splits are cached; default ``~/.cache/flexmoba``.
+        cache_dir: where the tokenized corpus is cached; default ``~/.cache/flexmoba``.
         num_workers: DataLoader workers.
         seed: shuffling seed.
+        corpus_dir: older name of ``root``.
     """
 
     def __init__(
         self,
-        corpus_dir: str | None = None,
+        root: str | None = None,
+        patterns: list[str] | str | None = None,
         seq_len: int = 1024,
         batch_size: int = 8,
         val_fraction: float = 0.05,
@@ -246,21 +358,14 @@ class PythonSourceData(L.LightningDataModule):
         cache_dir: str | None = None,
         num_workers: int = 0,
         seed: int = 0,
+        corpus_dir: str | None = None,
     ):
         super().__init__()
-        for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        for name, value in (("max_files", max_files), ("max_bytes", max_bytes)):
-            if value is not None and (not isinstance(value, int) or value <= 0):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-        if not (0 < val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
-            raise ValueError(
-                f"val_fraction ({val_fraction}) must be in (0, 1), test_fraction ({test_fraction}) in [0, 1), "
-                "and their sum below 1"
-            )
+        check_arguments(seq_len=seq_len, batch_size=batch_size, max_files=max_files, max_bytes=max_bytes,
+                        val_fraction=val_fraction, test_fraction=test_fraction)
         self.save_hyperparameters()
-        self.corpus_dir = corpus_dir or default_corpus_dir()
+        self.root = resolve_root(root, corpus_dir)
+        self.patterns = resolve_patterns(patterns)
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.val_fraction = val_fraction
@@ -276,15 +381,36 @@ class PythonSourceData(L.LightningDataModule):
         self._resume: dict | None = None
         self._train_sampler: ResumableSampler | None = None
 
+    @property
+    def corpus_dir(self) -> str:
+        return self.root
+
     # -- corpus -------------------------------------------------------------------------
 
+    def _matching_files(self) -> list[tuple[str, int]]:
+        """The files under ``root`` matching ``patterns``; a clear error when there are none."""
+        if not os.path.isdir(self.root):
+            what = "is not a directory" if os.path.exists(self.root) else "does not exist"
+            raise ValueError(f"root={self.root!r} {what}")
+        files = list_files(self.root, self.patterns)
+        if files:
+            return files
+        others = [path.relative_to(self.root).as_posix() for path in islice(walk_files(self.root), 3)]
+        if not others:
+            raise ValueError(f"root={self.root!r} is empty: it holds no files (hidden folders are skipped)")
+        raise ValueError(f"patterns={self.patterns!r} match no file under root={self.root!r} "
+                         f"(it holds e.g. {', '.join(others)})")
+
     def _selected_files(self) -> dict[str, list[tuple[str, int]]]:
-        if not os.path.isdir(self.corpus_dir):
-            raise ValueError(f"corpus_dir={self.corpus_dir!r} is not a directory")
-        files = list_python_files(self.corpus_dir)
-        if not files or not any(size for _, size in files):
-            raise ValueError(f"corpus_dir={self.corpus_dir!r} holds no non-empty .py files")
+        files = self._matching_files()
         min_doc_bytes = 2 if self.pad_short_docs else self.seq_len + 1
+        n_short = sum(size < min_doc_bytes for _, size in files)
+        if n_short == len(files):
+            raise ValueError(
+                f"all {n_short} files matching patterns={self.patterns!r} under root={self.root!r} are shorter "
+                f"than {min_doc_bytes} bytes (seq_len={self.seq_len} + 1), so all were skipped; lower seq_len or "
+                "set pad_short_docs=True"
+            )
         selected = select_files(
             files,
             val_fraction=self.val_fraction,
@@ -296,46 +422,36 @@ class PythonSourceData(L.LightningDataModule):
         for split in ("train", "val"):
             if not selected[split]:
                 raise ValueError(
-                    f"the {split} split of corpus_dir={self.corpus_dir!r} is empty: no .py file of at least "
-                    f"{min_doc_bytes} bytes (seq_len={self.seq_len} + 1) hashes into it; lower seq_len, "
-                    "set pad_short_docs=True, or change val_fraction"
+                    f"the {split} split of root={self.root!r} is empty: no file of at least {min_doc_bytes} bytes "
+                    f"(seq_len={self.seq_len} + 1) hashes into it ({len(files) - n_short} long enough, {n_short} "
+                    "shorter ones skipped); add files, lower seq_len, set pad_short_docs=True, or change val_fraction"
                 )
         return selected
 
-    def _cache_path(self, fingerprint: str) -> Path:
-        return Path(self.cache_dir) / f"corpus-{fingerprint}.npz"
+    def _cache(self) -> tuple[TokenCache, dict[str, list[tuple[str, int]]]]:
+        selected = self._selected_files()
+        python = sys.version if Path(self.root) == Path(default_root()) else None
+        self.fingerprint = corpus_fingerprint(selected, python=python, patterns=sorted(self.patterns),
+                                              val_fraction=self.val_fraction, test_fraction=self.test_fraction)
+        stem = f"bytes-{self.fingerprint}-{source_key(self.root, selected)}"
+        return TokenCache(self.cache_dir, stem), selected
 
     def prepare_data(self) -> None:
-        """Tokenize the corpus into the cache (rank 0 only under DDP)."""
-        self._load_or_build(write=True)
+        """Tokenize the corpus into the cache (once per node under DDP; later runs reuse it)."""
+        self._load_or_build()
 
-    def _load_or_build(self, write: bool) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        selected = self._selected_files()
-        fingerprint = corpus_fingerprint(selected, val_fraction=self.val_fraction, test_fraction=self.test_fraction)
-        self.fingerprint = fingerprint
-        path = self._cache_path(fingerprint)
-        if path.exists():
-            with np.load(path) as cached:
-                return {s: (cached[f"{s}_tokens"], cached[f"{s}_offsets"]) for s in SPLITS}
-        splits = {s: read_documents(self.corpus_dir, selected[s]) for s in SPLITS}
-        if write:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
-            arrays = {}
-            for split, (tokens, offsets) in splits.items():
-                arrays[f"{split}_tokens"], arrays[f"{split}_offsets"] = tokens, offsets
-            np.savez(tmp, **arrays)
-            os.replace(tmp, path)  # atomic: a concurrent reader never sees half a file
-            manifest = {"fingerprint": fingerprint, "corpus_dir": self.corpus_dir, "python": sys.version,
-                        "files": {s: len(selected[s]) for s in SPLITS},
-                        "tokens": {s: int(len(splits[s][0])) for s in SPLITS}}
-            path.with_suffix(".json").write_text(json.dumps(manifest, indent=2))
-        return splits
+    def _load_or_build(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        cache, selected = self._cache()
+        if not cache.exists():
+            manifest = {"fingerprint": self.fingerprint, "root": self.root, "patterns": self.patterns,
+                        "python": sys.version, "files": {s: len(selected[s]) for s in SPLITS}}
+            cache.write(self.root, selected, manifest)
+        return cache.read()
 
     def setup(self, stage: str | None = None) -> None:
         if self.datasets:
             return
-        splits = self._load_or_build(write=False)
+        splits = self._load_or_build()
         for split, (tokens, offsets) in splits.items():
             self.datasets[split] = ByteSequences(tokens, offsets, self.seq_len, self.pad_short_docs)
         for split in ("train", "val"):
@@ -384,6 +500,44 @@ class PythonSourceData(L.LightningDataModule):
         if fingerprint and self.fingerprint and fingerprint != self.fingerprint:
             raise ValueError(
                 f"checkpoint was trained on corpus fingerprint {fingerprint}, but the configured data has "
-                f"{self.fingerprint}; use the same corpus_dir/max_files/max_bytes/seq_len"
+                f"{self.fingerprint}; use the same root/patterns/max_files/max_bytes/seq_len"
             )
         self._resume = state.get("train_position")
+
+
+PythonSourceData = ByteFilesData  # older name; configs naming lit.data.PythonSourceData keep working
+
+
+def check_arguments(*, seq_len, batch_size, max_files, max_bytes, val_fraction, test_fraction) -> None:
+    """ValueError naming the first bad argument."""
+    for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    for name, value in (("max_files", max_files), ("max_bytes", max_bytes)):
+        if value is not None and (not isinstance(value, int) or value <= 0):
+            raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+    if not (0 < val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
+        raise ValueError(
+            f"val_fraction ({val_fraction}) must be in (0, 1), test_fraction ({test_fraction}) in [0, 1), "
+            "and their sum below 1"
+        )
+
+
+def resolve_root(root: str | None, corpus_dir: str | None) -> str:
+    """``root``, or its older name ``corpus_dir``, or the stdlib."""
+    if root is not None and corpus_dir is not None and root != corpus_dir:
+        raise ValueError(f"root={root!r} and corpus_dir={corpus_dir!r} disagree; corpus_dir is root's older name, "
+                         "give root only")
+    return os.fspath(root or corpus_dir or default_root())
+
+
+def resolve_patterns(patterns: Sequence[str] | str | None) -> list[str]:
+    """A list of globs (one string is one glob); ValueError naming ``patterns`` otherwise."""
+    if patterns is None:
+        return list(DEFAULT_PATTERNS)
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    patterns = list(patterns)
+    if not patterns or not all(isinstance(p, str) and p.strip() for p in patterns):
+        raise ValueError(f"patterns must be a non-empty list of globs such as ['*.txt', '*.md'], got {patterns!r}")
+    return patterns

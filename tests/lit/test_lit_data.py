@@ -1,15 +1,20 @@
-"""Byte corpus: splits, document-bounded sequences, caching, errors."""
+"""Byte corpus: file patterns, splits, document-bounded sequences, the memory-mapped cache, errors."""
 
+import os
+import pickle
 import sysconfig
 
+import numpy as np
 import pytest
 import torch
 
 from lit.data import (
     IGNORE_INDEX,
+    ByteFilesData,
     PythonSourceData,
     ResumableSampler,
     default_corpus_dir,
+    list_files,
     list_python_files,
     split_of,
 )
@@ -37,7 +42,7 @@ def corpus(tmp_path):
 def make_data(corpus, tmp_path, **kwargs):
     kwargs = {"seq_len": 16, "batch_size": 2, "val_fraction": 0.2, "test_fraction": 0.1,
               "cache_dir": str(tmp_path / "cache"), **kwargs}
-    data = PythonSourceData(corpus_dir=str(corpus), **kwargs)
+    data = ByteFilesData(root=str(corpus), **kwargs)
     data.prepare_data()
     data.setup("fit")
     return data
@@ -88,16 +93,94 @@ def test_short_documents_dropped_or_padded(corpus, tmp_path):
     assert n_padded > 0
 
 
+def cache_files(tmp_path, suffix: str) -> list[str]:
+    return sorted(p.name for p in (tmp_path / "cache").glob(f"*{suffix}"))
+
+
 def test_cache_is_keyed_by_fingerprint(corpus, tmp_path):
     data = make_data(corpus, tmp_path)
-    cache_files = sorted(p.name for p in (tmp_path / "cache").glob("*.npz"))
-    assert cache_files == [f"corpus-{data.fingerprint}.npz"]
+    assert [name.split("-")[1] for name in cache_files(tmp_path, ".bin")] == [data.fingerprint]
     again = make_data(corpus, tmp_path)
-    assert again.fingerprint == data.fingerprint
+    assert again.fingerprint == data.fingerprint and len(cache_files(tmp_path, ".bin")) == 1
     (corpus / "pkg" / "mod00.py").write_bytes(b"x" * 99)  # a size change is a new corpus
     changed = make_data(corpus, tmp_path)
     assert changed.fingerprint != data.fingerprint
-    assert len(list((tmp_path / "cache").glob("*.npz"))) == 2
+    assert len(cache_files(tmp_path, ".bin")) == 2
+
+
+def test_cache_follows_edits_and_folders_not_just_names_and_sizes(corpus, tmp_path):
+    data = make_data(corpus, tmp_path)
+    path = corpus / "pkg" / "mod00.py"
+    path.write_bytes(b"y" * path.stat().st_size)  # same name and size, new bytes
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    edited = make_data(corpus, tmp_path)
+    assert len(cache_files(tmp_path, ".bin")) == 2
+    sequences = [edited.datasets[s][i][0] for s in ("train", "val", "test") for i in range(len(edited.datasets[s]))]
+    assert any(bool((x == ord("y")).all()) for x in sequences)
+    assert data.fingerprint == edited.fingerprint  # same corpus for a resumed run's check, new bytes cached
+    twin = tmp_path / "twin"
+    write_corpus(twin, {rel: size for rel, size in list_files(str(corpus), ["*"])})
+    make_data(twin, tmp_path)
+    assert len(cache_files(tmp_path, ".bin")) == 3
+
+
+def test_cache_is_memory_mapped_and_shared(corpus, tmp_path):
+    data = make_data(corpus, tmp_path)
+    assert cache_files(tmp_path, ".json") == [name[:-4] + ".json" for name in cache_files(tmp_path, ".bin")]
+    assert not list((tmp_path / "cache").glob("*tmp*"))
+    tokens = data.datasets["train"].tokens
+    assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint8
+    assert all(data.datasets[s].tokens is tokens for s in ("val", "test"))  # one file for every split
+    (bin_path,) = (tmp_path / "cache").glob("*.bin")
+    written = bin_path.stat().st_mtime_ns
+    make_data(corpus, tmp_path)
+    assert bin_path.stat().st_mtime_ns == written  # read, not written again
+
+
+def test_cache_without_its_manifest_is_rebuilt(corpus, tmp_path):
+    data = make_data(corpus, tmp_path)
+    expected = [data.datasets["train"][i][0] for i in range(len(data.datasets["train"]))]
+    (bin_path,) = (tmp_path / "cache").glob("*.bin")
+    bin_path.with_suffix(".json").unlink()  # as if a writer died before its last rename
+    bin_path.write_bytes(b"\xff" * bin_path.stat().st_size)
+    rebuilt = make_data(corpus, tmp_path)
+    assert all(torch.equal(rebuilt.datasets["train"][i][0], x) for i, x in enumerate(expected))
+
+
+def test_datasets_pickle_by_file_name(corpus, tmp_path):
+    """A spawned DataLoader worker gets the file's name and maps it again, not a copy of the bytes."""
+    dataset = make_data(corpus, tmp_path).datasets["train"]
+    payload = pickle.dumps(dataset)
+    assert len(payload) < dataset.tokens.nbytes
+    copy = pickle.loads(payload)
+    assert isinstance(copy.tokens, np.memmap)
+    assert all(torch.equal(a, b) for i in range(len(dataset)) for a, b in zip(copy[i], dataset[i], strict=True))
+
+
+def test_patterns_choose_the_files(tmp_path):
+    root = tmp_path / "notes"
+    write_corpus(root, {"a.txt": 10, "deep/b.md": 10, "c.py": 10, ".git/d.txt": 10, "docs/e.md": 10})
+    assert [rel for rel, _ in list_files(str(root), ["*.txt", "*.md"])] == ["a.txt", "deep/b.md", "docs/e.md"]
+    assert [rel for rel, _ in list_files(str(root), ["docs/*.md"])] == ["docs/e.md"]
+    assert [rel for rel, _ in list_files(str(root))] == ["c.py"]  # default: *.py
+
+
+def test_text_files_long_documents_stay_whole(tmp_path):
+    root = tmp_path / "text"
+    write_corpus(root, {f"doc{i:02d}.txt": 16 * 10 + 1 for i in range(20)})
+    data = make_data(root, tmp_path, patterns=["*.txt"], seq_len=16)
+    for split in ("train", "val"):
+        n_docs = len(data._selected_files()[split])
+        assert len(data.datasets[split]) == 10 * n_docs  # every document cut into 10 sequences, none dropped
+    assert data.datasets["train"][0][0].tolist() == data.datasets["train"][1][0].tolist()  # one file's bytes
+
+
+def test_older_names_still_work(corpus, tmp_path):
+    assert PythonSourceData is ByteFilesData
+    data = PythonSourceData(corpus_dir=str(corpus), seq_len=16, val_fraction=0.2, cache_dir=str(tmp_path / "c"))
+    assert data.root == data.corpus_dir == str(corpus)
+    with pytest.raises(ValueError, match="corpus_dir"):
+        ByteFilesData(root=str(corpus), corpus_dir=str(tmp_path))
 
 
 def test_max_files_slices_every_split(corpus, tmp_path):
@@ -106,14 +189,43 @@ def test_max_files_slices_every_split(corpus, tmp_path):
     assert len(files["train"]) == 3 and len(files["val"]) >= 1 and len(files["test"]) >= 1
 
 
-@pytest.mark.parametrize("make_dir", [False, True])
-def test_missing_or_empty_corpus_names_the_parameter(tmp_path, make_dir):
-    corpus = tmp_path / "nothing"
-    if make_dir:
-        corpus.mkdir()
-    data = PythonSourceData(corpus_dir=str(corpus), cache_dir=str(tmp_path / "cache"))
-    with pytest.raises(ValueError, match="corpus_dir"):
+def prepare_error(tmp_path, **kwargs) -> str:
+    data = ByteFilesData(cache_dir=str(tmp_path / "cache"), **{"seq_len": 16, **kwargs})
+    with pytest.raises(ValueError) as error:
         data.prepare_data()
+    return str(error.value)
+
+
+def test_missing_root_names_the_parameter(tmp_path):
+    assert "root=" in prepare_error(tmp_path, root=str(tmp_path / "absent")) and "does not exist" in \
+        prepare_error(tmp_path, root=str(tmp_path / "absent"))
+    (tmp_path / "a_file").write_text("x")
+    assert "not a directory" in prepare_error(tmp_path, root=str(tmp_path / "a_file"))
+
+
+def test_empty_root_names_the_parameter(tmp_path):
+    (tmp_path / "empty" / ".git").mkdir(parents=True)
+    (tmp_path / "empty" / ".git" / "HEAD").write_text("ref")
+    message = prepare_error(tmp_path, root=str(tmp_path / "empty"))
+    assert "root=" in message and "empty" in message
+
+
+def test_patterns_matching_nothing_name_the_parameter(tmp_path):
+    write_corpus(tmp_path / "text", {"a.txt": 100})
+    message = prepare_error(tmp_path, root=str(tmp_path / "text"), patterns=["*.md"])
+    assert "patterns=['*.md']" in message and "a.txt" in message
+
+
+def test_all_files_too_short_says_how_many_were_skipped(tmp_path):
+    write_corpus(tmp_path / "text", {"a.txt": 16, "b.txt": 5, "c.txt": 3})
+    message = prepare_error(tmp_path, root=str(tmp_path / "text"), patterns=["*.txt"])
+    assert "all 3 files" in message and "seq_len=16" in message and "pad_short_docs" in message
+
+
+@pytest.mark.parametrize("patterns", [[], [""], [3]])
+def test_bad_patterns_name_the_parameter(patterns):
+    with pytest.raises(ValueError, match="patterns"):
+        ByteFilesData(patterns=patterns)
 
 
 @pytest.mark.parametrize("kwargs, name", [
