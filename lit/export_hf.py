@@ -20,21 +20,27 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import torch
+
 from flexmoba.integrations.export import to_llama
 from lit.checkpoint import load_model, read_checkpoint
 
 DEFAULT_MAX_POSITIONS = 4096
+DTYPES = ("float32", "bfloat16", "float16")
 
 
-def export_checkpoint(ckpt: str | Path, out: str | Path, max_position_embeddings: int | None = None) -> Path:
+def export_checkpoint(ckpt: str | Path, out: str | Path, max_position_embeddings: int | None = None,
+                      dtype: str = "float32") -> Path:
     """Write the ``LlamaForCausalLM`` of checkpoint ``ckpt`` to the folder ``out``; returns ``out``.
 
     ``max_position_embeddings`` defaults to the training ``seq_len`` the checkpoint records
-    (or 4096): informational, RoPE runs at any length.
+    (or 4096): informational, RoPE runs at any length. ``dtype``: of the written weights
+    (the logits match the flexmoba model's in float32).
     """
     checkpoint = read_checkpoint(ckpt)
     seq_len = checkpoint.get("hyper_parameters", {}).get("seq_len")
     llama = to_llama(load_model(checkpoint), max_position_embeddings or seq_len or DEFAULT_MAX_POSITIONS)
+    llama = llama.to(getattr(torch, dtype))
     out = Path(out)
     llama.save_pretrained(out)
     return out
@@ -46,8 +52,9 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--out", required=True, help="the folder to write the Hugging Face model to")
     parser.add_argument("--max-position-embeddings", type=int, default=None,
                         help="config.max_position_embeddings (default: the checkpoint's training seq_len)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="of the written weights")
     args = parser.parse_args(argv)
-    out = export_checkpoint(args.ckpt, args.out, args.max_position_embeddings)
+    out = export_checkpoint(args.ckpt, args.out, args.max_position_embeddings, args.dtype)
     print(f"wrote a LlamaForCausalLM to {out} (load with attn_implementation='flexmoba' after "
           "flexmoba.integrations.transformers.register())")
     return out

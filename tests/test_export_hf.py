@@ -142,3 +142,12 @@ def test_tile_granularity_exports_and_refuses_cached_moba_decoding(tmp_path):
         with pytest.raises(ValueError, match="granularity=4 has no decode path"):
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False,
                            pad_token_id=0)
+
+
+def test_bfloat16_export(exported, tmp_path):
+    _, ckpt, out = exported
+    half = export_hf.main(["--ckpt", str(ckpt), "--out", str(tmp_path / "bf16"), "--dtype", "bfloat16"])
+    model = AutoModelForCausalLM.from_pretrained(half, attn_implementation="flexmoba")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    full = AutoModelForCausalLM.from_pretrained(out, attn_implementation="flexmoba")
+    assert all(torch.equal(a.bfloat16(), b) for a, b in zip(full.parameters(), model.parameters(), strict=True))
