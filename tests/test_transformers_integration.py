@@ -158,8 +158,9 @@ def test_reorder_that_keeps_the_last_token(attn):
     torch.testing.assert_close(out, logits(model, ids)[:, 30:], **TOL)
 
 
-def test_right_padding_never_attended():
-    model, ids = tiny_llama(), tokens()
+@pytest.mark.parametrize("attn", ["moba-sdpa", "moba-layer-hybrid"])
+def test_right_padding_never_attended(attn):
+    model, ids = tiny_llama(attn=attn), tokens()
     mask = torch.ones_like(ids)
     mask[1, 27:] = 0
     padded = logits(model, ids, attention_mask=mask)
@@ -167,7 +168,10 @@ def test_right_padding_never_attended():
     torch.testing.assert_close(padded[1, :27], logits(model, ids[1:, :27])[0], **TOL)
 
 
-@pytest.mark.parametrize("attn", ["moba-sdpa", "moba-dense-decode"])
+hf.register("moba-layer-hybrid", chunk_size=CHUNK, top_k=TOP_K, backend="sdpa", full_attention_last_n_layers=1)
+
+
+@pytest.mark.parametrize("attn", ["moba-sdpa", "moba-dense-decode", "moba-layer-hybrid"])
 def test_left_padded_generation_equals_unpadded_rows(attn):
     model, ids = tiny_llama(attn=attn), tokens()
     short = ids[1, :29]
