@@ -123,6 +123,8 @@ def test_training_checkpoints_hold_plain_data_only(exported, tmp_path):
     _, ckpt, _ = exported
     checkpoint = torch.load(ckpt, weights_only=True)  # raises on any pickled object
     assert isinstance(checkpoint["hyper_parameters"]["config"], dict)
+    restored = LitLM.load_from_checkpoint(ckpt, weights_only=True)  # Lightning's own loader, dict -> ModelConfig
+    assert restored.config == load_model(ckpt).config
     checkpoint["hyper_parameters"]["config"] = ModelConfig(**checkpoint["hyper_parameters"]["config"])
     torch.save(checkpoint, tmp_path / "pickled.ckpt")  # as checkpoints were written before
     with pytest.raises(ValueError, match="pickled objects.*weights_only=True"):
