@@ -18,6 +18,13 @@ from jsonargparse import ArgumentParser, Namespace
 T = TypeVar("T")
 
 
+def resolve_device(device: str) -> str:
+    """``"auto"``: CUDA when there is a GPU, else CPU; anything else as given."""
+    import torch
+
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
 def fail(prog: str, message: str) -> None:
     """Print ``prog: error: message`` as one line and exit with code 2."""
     print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr)

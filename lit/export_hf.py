@@ -1,6 +1,6 @@
 """Export a flexmoba checkpoint as a Hugging Face ``LlamaForCausalLM`` directory.
 
-    python -m lit.export_hf --ckpt runs/moba/checkpoints/last.ckpt --out out/hf-moba
+    flexmoba export-hf --ckpt runs/moba/checkpoints/last.ckpt --out out/hf-moba
 
 writes ``config.json`` (the Llama architecture plus ``"moba": {"chunk_size", "top_k",
 "full_attention_last_n_layers"}``), the weights (safetensors) and ``generation_config.json``.
@@ -17,16 +17,19 @@ A full-attention export also runs on any stock implementation (``"sdpa"``, ``"ea
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 import torch
 
 from flexmoba.integrations.export import to_llama
 from lit.checkpoint import load_model, read_checkpoint
+from lit.command_line import parse_dataclass
 
 DEFAULT_MAX_POSITIONS = 4096
-DTYPES = ("float32", "bfloat16", "float16")
+WeightDtype = Literal["float32", "bfloat16", "float16"]
+DTYPES = get_args(WeightDtype)
 
 
 def export_checkpoint(ckpt: str | Path, out: str | Path, max_position_embeddings: int | None = None,
@@ -46,15 +49,26 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, max_position_embeddings
     return out
 
 
+@dataclass
+class ExportJob:
+    """What ``flexmoba export-hf`` writes.
+
+    Args:
+        ckpt: a flexmoba checkpoint (e.g. runs/moba/checkpoints/last.ckpt).
+        out: the folder to write the Hugging Face model to.
+        max_position_embeddings: config.max_position_embeddings (default: the checkpoint's training seq_len).
+        dtype: of the written weights.
+    """
+
+    ckpt: str
+    out: str
+    max_position_embeddings: int | None = None
+    dtype: WeightDtype = "float32"
+
+
 def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ckpt", required=True, help="a flexmoba checkpoint (e.g. runs/moba/checkpoints/last.ckpt)")
-    parser.add_argument("--out", required=True, help="the folder to write the Hugging Face model to")
-    parser.add_argument("--max-position-embeddings", type=int, default=None,
-                        help="config.max_position_embeddings (default: the checkpoint's training seq_len)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="of the written weights")
-    args = parser.parse_args(argv)
-    out = export_checkpoint(args.ckpt, args.out, args.max_position_embeddings, args.dtype)
+    job = parse_dataclass(ExportJob, argv, prog="flexmoba export-hf", description=__doc__)
+    out = export_checkpoint(job.ckpt, job.out, job.max_position_embeddings, job.dtype)
     print(f"wrote a LlamaForCausalLM to {out} (load with attn_implementation='flexmoba' after "
           "flexmoba.integrations.transformers.register())")
     return out

@@ -17,16 +17,17 @@ gradient. A query is *answered* when every value byte is the argmax under teache
 from the end of the sequence back to the pair block, ``distance`` tokens away; MoBA's router
 must select the chunk holding the pair for that.
 
-    python -m lit.retrieval evaluate --ckpt runs/retrieval-moba/checkpoints/last.ckpt --out docs/retrieval/moba
+    flexmoba retrieval evaluate --ckpt runs/retrieval-moba/checkpoints/last.ckpt --out docs/retrieval/moba
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import string
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 import lightning as L
 import numpy as np
@@ -34,6 +35,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lit.checkpoint import load_model, read_checkpoint
+from lit.command_line import fail, parse_dataclass, resolve_device
 from lit.metrics import IGNORE_INDEX
 
 KEY_BYTES = np.frombuffer(string.ascii_uppercase.encode(), dtype=np.uint8)
@@ -352,33 +354,55 @@ def given(**values) -> dict:
     return {k: v for k, v in values.items() if v is not None}
 
 
+@dataclass
+class EvaluateJob:
+    """What ``flexmoba retrieval evaluate`` measures.
+
+    Args:
+        ckpt: a retrieval run's checkpoint.
+        out: output folder (retrieval.md, retrieval.png, retrieval.json).
+        title: figure title (default: the layers' attention and routing).
+        lengths: override the grid's sequence lengths.
+        depths: override the grid's needle depths (0 = start, 1 = end).
+        samples: samples per cell.
+        attention: override every layer's attention (e.g. evaluate a MoBA-trained model fully).
+        moba_chunk_size: evaluate with another MoBA chunk size.
+        moba_top_k: evaluate with another MoBA top-k.
+        device: auto (CUDA when there is a GPU), cpu, cuda, ...
+    """
+
+    ckpt: str
+    out: str
+    title: str | None = None
+    lengths: list[int] | None = None
+    depths: list[float] | None = None
+    samples: int | None = None
+    attention: Literal["moba", "full"] | None = None
+    moba_chunk_size: int | None = None
+    moba_top_k: int | None = None
+    device: str = "auto"
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True)
-    evaluate = commands.add_parser("evaluate", help="accuracy grid of a checkpoint: table, heat map, JSON")
-    evaluate.add_argument("--ckpt", required=True)
-    evaluate.add_argument("--out", required=True, help="output folder")
-    evaluate.add_argument("--title", default=None)
-    evaluate.add_argument("--lengths", type=int, nargs="*", default=None, help="override the grid's lengths")
-    evaluate.add_argument("--depths", type=float, nargs="*", default=None, help="override the grid's depths")
-    evaluate.add_argument("--samples", type=int, default=None, help="samples per cell")
-    evaluate.add_argument("--attention", choices=["moba", "full"], default=None,
-                          help="override every layer's attention (e.g. evaluate a MoBA-trained model fully)")
-    evaluate.add_argument("--moba-chunk-size", type=int, default=None, help="evaluate with another chunk size")
-    evaluate.add_argument("--moba-top-k", type=int, default=None, help="evaluate with another top-k")
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        argv = ["evaluate", "--help"]  # the only subcommand
+    if not argv or argv[0] != "evaluate":
+        fail("flexmoba retrieval", "the subcommand is evaluate: flexmoba retrieval evaluate --ckpt PATH --out DIR")
+    job = parse_dataclass(EvaluateJob, argv[1:], prog="flexmoba retrieval evaluate", description=__doc__)
     model, data = load_run(
-        args.ckpt,
-        given(moba_chunk_size=args.moba_chunk_size, moba_top_k=args.moba_top_k),
-        given(eval_lengths=args.lengths, eval_depths=args.depths, eval_samples=args.samples),
+        job.ckpt,
+        given(moba_chunk_size=job.moba_chunk_size, moba_top_k=job.moba_top_k),
+        given(eval_lengths=job.lengths, eval_depths=job.depths, eval_samples=job.samples),
     )
-    if args.attention:
-        model.set_attention_override(args.attention)
+    model.to(resolve_device(job.device))
+    if job.attention:
+        model.set_attention_override(job.attention)
     cfg, kinds = model.config, model.layer_attention()
     routing = "" if "moba" not in kinds else f", chunk {cfg.moba_chunk_size} top-{cfg.moba_top_k}"
-    title = args.title or f"layers {'/'.join(kinds)}{routing}"
+    title = job.title or f"layers {'/'.join(kinds)}{routing}"
     rows = evaluate_retrieval(model, data)
-    out = write_report(rows, args.out, title)
+    out = write_report(rows, job.out, title)
     print(markdown_table(rows, title))
     print(f"wrote {out}/retrieval.md, retrieval.png, retrieval.json; task {asdict(data.task)}")
 

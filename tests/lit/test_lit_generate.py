@@ -24,9 +24,9 @@ def tiny_checkpoint(tmp_path_factory):
 
 @pytest.mark.parametrize("temperature, top_k", [(0.0, None), (0.7, 5)])
 def test_cli_prints_prompt_plus_requested_bytes(tiny_checkpoint, capsysbinary, temperature, top_k):
-    args = ["--ckpt", str(tiny_checkpoint), "--prompt", "def ", "--max-new-bytes", "17",
+    args = ["--ckpt", str(tiny_checkpoint), "--prompt", "def ", "--max_new_bytes", "17",
             "--temperature", str(temperature)]
-    gen.main(args + ([] if top_k is None else ["--top-k", str(top_k)]))
+    gen.main(args + ([] if top_k is None else ["--sample_top_k", str(top_k)]))
     out = capsysbinary.readouterr().out
     assert out.startswith(b"def ") and out.endswith(b"\n")
     assert len(out) == len(b"def ") + 17 + 1
