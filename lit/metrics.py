@@ -70,5 +70,10 @@ class WindowedLoss(Metric):
             self.token_count[i] += in_window.sum()
 
     def compute(self) -> torch.Tensor:
-        """``[n_windows]`` mean loss; NaN for a window no sequence reached."""
+        """``[n_windows]`` mean loss; NaN for a window no sequence reached, and NaN where a loss was NaN."""
         return self.loss_sum / self.token_count
+
+    def reached(self) -> torch.Tensor:
+        """``[n_windows]`` bool: windows some sequence reached (on any process), so a NaN there is a real one."""
+        with self.sync_context():
+            return self.token_count > 0

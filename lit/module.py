@@ -62,7 +62,7 @@ class LitLM(L.LightningModule):
         self.windows = position_windows(seq_len, position_window)
         self.metrics = torch.nn.ModuleDict()
         for stage in ("val", "test"):
-            self.metrics[f"{stage}_loss"] = MeanMetric()
+            self.metrics[f"{stage}_loss"] = MeanMetric(nan_strategy="disable")  # a NaN loss is reported, not dropped
             self.metrics[f"{stage}_windows"] = WindowedLoss(self.windows)
             self.metrics[f"{stage}_trailing"] = WindowedLoss(trailing_positions(seq_len, trailing_window))
         self._step_started: float | None = None
@@ -115,13 +115,14 @@ class LitLM(L.LightningModule):
         loss = self.metrics[f"{stage}_loss"].compute()
         self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=True)
         self.log(f"{stage}/ppl", torch.exp(loss), sync_dist=True)
-        window_losses = self.metrics[f"{stage}_windows"].compute().reshape(-1)
-        for (start, end), value in zip(self.windows, window_losses, strict=True):
-            if torch.isfinite(value):
+        windows = self.metrics[f"{stage}_windows"]
+        losses, reached = windows.compute().reshape(-1), windows.reached()
+        for (start, end), value, counted in zip(self.windows, losses, reached, strict=True):
+            if counted:
                 self.log(f"{stage}/loss_pos_{start:06d}_{end:06d}", value.float(), sync_dist=True)
-        trailing = self.metrics[f"{stage}_trailing"].compute().reshape(-1)[0]
-        if torch.isfinite(trailing):
-            self.log(f"{stage}/loss_trailing", trailing.float(), sync_dist=True)
+        trailing = self.metrics[f"{stage}_trailing"]
+        if trailing.reached()[0]:
+            self.log(f"{stage}/loss_trailing", trailing.compute().reshape(-1)[0].float(), sync_dist=True)
         for name in ("loss", "windows", "trailing"):
             self.metrics[f"{stage}_{name}"].reset()
 
