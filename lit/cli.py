@@ -18,14 +18,27 @@ Checkpoints go to ``<trainer.default_root_dir>/checkpoints`` (``last.ckpt`` kept
 from __future__ import annotations
 
 import os
+import re
+import sys
 import warnings
 
 import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import LightningCLI
+from jsonargparse import Namespace
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_only
 
+from flexmoba import validation
+from flexmoba.model import ModelConfig
 from lit.data import PythonSourceData
+from lit.guards import (
+    AtomicCheckpointIO,
+    DivergenceGuard,
+    SafeModelCheckpoint,
+    TrainingDiverged,
+    newest_intact_checkpoint,
+)
+from lit.metrics import position_windows, trailing_window
 from lit.module import LitLM
 
 # PythonSourceData resumes mid-epoch through its own state_dict (see lit/data.py); Lightning's
@@ -41,9 +54,99 @@ def default_loggers(root: str) -> list:
     return [CSVLogger(root, name="csv"), TensorBoardLogger(root, name="tb")]
 
 
+PARSER_KEY = re.compile(r'^\s*(?:- )?Parser key "([^"]+)":\s*(.*)$')
+EXPECTED_TYPE = re.compile(r"^Expected a <class '(\w+)'>\. Got value: (.*)$")
+UNION_NOISE = ("Does not validate against", "Subtypes:", "Errors:", "- Problem with given class_path",
+               "- Expected a <class 'NoneType'>", "Given value")
+
+
+def one_line_error(message: str) -> str:
+    """jsonargparse's nested, multi-line message as ``--option: rule``.
+
+    The option is the path of the innermost ``Parser key`` (``init_args`` dropped); the rule
+    is the first line under it that is not about the ``X | None`` union around it.
+    """
+    keys, rule = [], None
+    for line in message.splitlines():
+        match = PARSER_KEY.match(line)
+        if match:
+            keys += [k for k in match.group(1).split(".") if k != "init_args"]
+            rule = match.group(2) or None
+        elif keys and rule is None and line.strip() and not line.strip().startswith(UNION_NOISE):
+            rule = line.strip()
+    if not keys:
+        return " ".join(line.strip() for line in message.splitlines() if line.strip())
+    expected = EXPECTED_TYPE.match(rule or "")
+    if expected:
+        rule = f"must be {expected.group(1)}, got {expected.group(2)!r}"
+    return f"--{'.'.join(keys)}: {rule}"
+
+
+class OneLineErrorParser(LightningArgumentParser):
+    """Errors are one line on stderr, ``flexmoba: error: --option: rule``, and exit code 2."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if not self.exit_on_error:
+            super().error(message, ex)
+        sys.stderr.write(f"flexmoba: error: {one_line_error(message)}\n")
+        self.exit(2)
+
+
+def model_config_problem(fields: dict) -> str | None:
+    """Why these ``ModelConfig`` fields cannot build a model, naming the option, or None."""
+    try:
+        config = ModelConfig(**fields)
+    except (TypeError, ValueError) as error:
+        field = re.match(r"ModelConfig\.(\w+) (.*)", str(error), re.DOTALL)
+        return f"--model.config.{field[1]}: {field[2]}" if field else f"--model.config: {error}"
+    checks = (("moba_granularity", lambda: validation.check_granularity(config.moba_granularity,
+                                                                      config.moba_chunk_size)),
+              ("moba_backend", lambda: validation.check_backend(config.moba_backend)))
+    for name, check in checks:
+        try:
+            check()
+        except (TypeError, ValueError) as error:
+            return f"--model.config.{name}: {error}"
+    return None
+
+
+def as_dict(value) -> dict:
+    return value.as_dict() if isinstance(value, Namespace) else dict(value or {})
+
+
+def config_problem(config: Namespace) -> str | None:
+    """The first invalid value of a subcommand's parsed config (model and data), or None."""
+    data = as_dict(config.get("data"))
+    seq_len = data.get("init_args", data).get("seq_len")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
+        return f"--data.seq_len: must be a positive int, got {seq_len!r}"
+    model = as_dict(config.get("model"))
+    model = model.get("init_args", model)
+    fields = model.get("config")
+    if fields:
+        problem = model_config_problem(as_dict(fields.get("init_args", fields)))
+        if problem:
+            return problem
+    window_checks = (("position_window", position_windows), ("trailing_window", trailing_window))
+    for name, check in window_checks:
+        if name in model:
+            try:
+                check(seq_len, model[name])
+            except ValueError as error:
+                return f"--model.{name}: {error}"
+    return None
+
+
+@rank_zero_only
+def warn_once(message: str) -> None:
+    """Shown even when Python warnings are silenced (a resume from an older checkpoint must be seen)."""
+    sys.stderr.write(f"flexmoba: warning: {message}\n")
+
+
 class FlexMobaCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(SafeModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(DivergenceGuard, "divergence_guard")
         parser.set_defaults({
             "checkpoint.save_last": True,
             "checkpoint.filename": "step{step:06d}",
@@ -55,11 +158,41 @@ class FlexMobaCLI(LightningCLI):
         parser.set_defaults({"data": {"class_path": f"{PythonSourceData.__module__}.{PythonSourceData.__name__}"}})
         parser.link_arguments("data.init_args.seq_len", "model.seq_len")
 
+    def parse_arguments(self, parser, args) -> None:
+        """Parse, then refuse invalid values before anything is seeded or built."""
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        problem = config_problem(self.config[subcommand] if subcommand else self.config)
+        if problem:
+            parser.error(problem)
+
     def instantiate_trainer(self, **kwargs):
         trainer_config = self._get(self.config_init, "trainer", default={})
         if trainer_config.get("logger") in (None, True) and "logger" not in kwargs:
             kwargs["logger"] = default_loggers(trainer_config.get("default_root_dir") or os.getcwd())
+        if not trainer_config.get("plugins") and "plugins" not in kwargs:
+            kwargs["plugins"] = [AtomicCheckpointIO()]
         return super().instantiate_trainer(**kwargs)
+
+    def resolve_last_checkpoint(self) -> None:
+        """``ckpt_path: last`` names the newest intact checkpoint (a truncated last.ckpt is skipped)."""
+        config = self.config_init[self.subcommand]
+        if config.get("ckpt_path") != "last" or self.trainer.checkpoint_callback is None:
+            return
+        folder = self.trainer.checkpoint_callback.dirpath
+        if not folder or not os.path.isdir(folder):
+            return  # nothing saved yet: Lightning warns and starts from scratch
+        chosen, skipped = newest_intact_checkpoint(folder)
+        if chosen is None and skipped:
+            self.parser.error(f"--ckpt_path last: no usable checkpoint in {folder}: "
+                              + "; ".join(f"{p.name} ({why})" for p, why in skipped.items()))
+        if chosen is not None:
+            if skipped:
+                warn_once(f"--ckpt_path last: skipped unreadable {', '.join(p.name for p in skipped)}; "
+                          f"using {chosen.name}, the newest intact checkpoint in {folder}")
+            config["ckpt_path"] = str(chosen)
+
+    before_fit = before_validate = before_test = before_predict = resolve_last_checkpoint
 
 
 def run_cli(args: list[str] | None = None) -> FlexMobaCLI:
@@ -69,6 +202,7 @@ def run_cli(args: list[str] | None = None) -> FlexMobaCLI:
         L.LightningDataModule,
         subclass_mode_data=True,
         args=args,
+        parser_class=OneLineErrorParser,
         seed_everything_default=1337,
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"description": "Train and evaluate MoBA / full-attention byte-level LMs (see configs/)."},
@@ -76,7 +210,11 @@ def run_cli(args: list[str] | None = None) -> FlexMobaCLI:
 
 
 def main() -> None:
-    run_cli()
+    try:
+        run_cli()
+    except TrainingDiverged as diverged:
+        sys.stderr.write(f"flexmoba: error: {diverged}\n")
+        sys.exit(1)
 
 
 if __name__ == "__main__":
