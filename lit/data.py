@@ -170,17 +170,6 @@ def write_token_file(root: str, files: list[tuple[str, int]], path: Path) -> np.
     return np.asarray(offsets, dtype=np.int64)
 
 
-def read_documents(corpus_dir: str, files: list[tuple[str, int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenated bytes ``[n_tokens]`` uint8 and document offsets ``[n_docs + 1]`` int64, in memory."""
-    chunks, offsets = [], [0]
-    for rel, _ in files:
-        data = (Path(corpus_dir) / rel).read_bytes()
-        chunks.append(np.frombuffer(data, dtype=np.uint8))
-        offsets.append(offsets[-1] + len(data))
-    tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint8)
-    return tokens, np.asarray(offsets, dtype=np.int64)
-
-
 class TokenCache:
     """The corpus tokenized once: ``<stem>.bin`` (uint8 bytes of every document, train then
     val then test), ``<stem>.npy`` (document offsets into it) and ``<stem>.json`` (manifest:
@@ -443,8 +432,9 @@ class ByteFilesData(L.LightningDataModule):
     def _load_or_build(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         cache, selected = self._cache()
         if not cache.exists():
-            manifest = {"fingerprint": self.fingerprint, "root": self.root, "patterns": self.patterns,
-                        "python": sys.version, "files": {s: len(selected[s]) for s in SPLITS}}
+            manifest = {"fingerprint": self.fingerprint, "root": str(Path(self.root).resolve()),
+                        "patterns": self.patterns, "python": sys.version,
+                        "files": {s: len(selected[s]) for s in SPLITS}}
             cache.write(self.root, selected, manifest)
         return cache.read()
 

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ThroughputMonitor
 from torchmetrics import MeanMetric
 
 from flexmoba.model import GPT, ModelConfig
 from lit.metrics import IGNORE_INDEX, WindowedLoss, position_windows
 from lit.metrics import trailing_window as trailing_positions
+from lit.throughput import ModelFlopsThroughput
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -65,7 +66,7 @@ class LitLM(L.LightningModule):
             self.metrics[f"{stage}_loss"] = MeanMetric(nan_strategy="disable")  # a NaN loss is reported, not dropped
             self.metrics[f"{stage}_windows"] = WindowedLoss(self.windows)
             self.metrics[f"{stage}_trailing"] = WindowedLoss(trailing_positions(seq_len, trailing_window))
-        self._step_started: float | None = None
+        self.tokens_per_batch = 0  # of the latest batch, for flops_per_batch
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)
@@ -73,6 +74,7 @@ class LitLM(L.LightningModule):
     def token_losses(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-target cross-entropy ``[B, S]`` (0 where ignored) and the targets ``[B, S]``."""
         inputs, targets = batch
+        self.tokens_per_batch = inputs.numel()
         logits = self.model(inputs)
         loss = F.cross_entropy(
             logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
@@ -80,9 +82,6 @@ class LitLM(L.LightningModule):
         return loss.view_as(targets), targets
 
     # -- training -----------------------------------------------------------------------
-
-    def on_train_batch_start(self, batch, batch_idx) -> None:
-        self._step_started = time.perf_counter()
 
     def training_step(self, batch, batch_idx):
         token_loss, targets = self.token_losses(batch)
@@ -93,12 +92,27 @@ class LitLM(L.LightningModule):
         self.log("train/moba_layers", float(self.model.layer_attention().count("moba")))
         return loss
 
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        if self._step_started is None:
-            return
-        seconds = time.perf_counter() - self._step_started
-        tokens = batch[0].numel() * self.trainer.world_size
-        self.log("train/tokens_per_s", tokens / seconds)
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Log the total gradient norm before clipping (gradients are already reduced across processes)."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if grads:
+            self.log("train/grad_norm", torch.nn.utils.get_total_norm(grads))
+
+    # -- throughput ---------------------------------------------------------------------
+
+    @property
+    def flops_per_batch(self) -> float:
+        """FLOPs of the latest batch on this device by the model's count (forward and backward when
+        training, forward only otherwise); Lightning's ThroughputMonitor turns it into FLOP/s and MFU."""
+        training = self.trainer.training
+        per_token = self.config.flops_per_token(self.seq_len, self.model.layer_attention(), training=training)
+        return per_token * self.tokens_per_batch
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        """Throughput and MFU (see lit/throughput.py), unless the trainer has a ThroughputMonitor already."""
+        if any(isinstance(callback, ThroughputMonitor) for callback in self.trainer.callbacks):
+            return []
+        return [ModelFlopsThroughput(window_size=self.trainer.log_every_n_steps)]
 
     # -- evaluation ---------------------------------------------------------------------
 
@@ -115,6 +129,7 @@ class LitLM(L.LightningModule):
         loss = self.metrics[f"{stage}_loss"].compute()
         self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=True)
         self.log(f"{stage}/ppl", torch.exp(loss), sync_dist=True)
+        self.log(f"{stage}/bpb", loss / math.log(2), sync_dist=True)  # tokens are bytes: bits per byte
         windows = self.metrics[f"{stage}_windows"]
         losses, reached = windows.compute().reshape(-1), windows.reached()
         for (start, end), value, counted in zip(self.windows, losses, reached, strict=True):

@@ -1,13 +1,18 @@
 """Byte corpus: file patterns, splits, document-bounded sequences, the memory-mapped cache, errors."""
 
+import json
+import math
 import os
 import pickle
 import sysconfig
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import yaml
 
+from flexmoba.model import ModelConfig
 from lit.data import (
     IGNORE_INDEX,
     ByteFilesData,
@@ -257,3 +262,55 @@ def test_resumable_sampler_skips_consumed_samples():
     assert list(resumed) == order[6:]
     assert list(resumed) == order  # the skip applies once
     assert len(resumed) == 20
+
+
+# -- end to end: your own text through the CLI ------------------------------------------------
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+WORDS = "the of and a to in is you that it he was for on are as with his they at be this have from".split()
+
+
+def write_text_files(root: Path, n_files: int, n_words: int) -> None:
+    rng = np.random.default_rng(0)
+    root.mkdir(parents=True)
+    for i in range(n_files):
+        words = rng.choice(WORDS, size=n_words)
+        (root / f"note{i:03d}.txt").write_text(f"note {i}: " + " ".join(words) + ".\n")
+    (root / "ignored.md").write_text("not a .txt file " * 100)
+
+
+def tiny_model_config() -> ModelConfig:
+    moba, tiny = (yaml.safe_load((CONFIGS / name).read_text()) for name in ("moba.yaml", "tiny.yaml"))
+    return ModelConfig(**{**moba["model"]["config"], **tiny["model"]["config"]})
+
+
+def last_row_with(rows: list[dict[str, str]], key: str) -> dict[str, float]:
+    row = [r for r in rows if r.get(key)][-1]
+    return {k: float(v) for k, v in row.items() if v}
+
+
+@pytest.mark.slow
+def test_fit_on_own_text_files_logs_bits_per_byte_grad_norm_and_throughput(tmp_path, flexmoba, metrics_of):
+    text = tmp_path / "my text"
+    write_text_files(text, n_files=40, n_words=400)
+    root = tmp_path / "run"
+    args = ["--config", str(CONFIGS / "moba.yaml"), "--config", str(CONFIGS / "tiny.yaml"),
+            "--trainer.default_root_dir", str(root), "--trainer.enable_progress_bar", "false",
+            "--data.root", str(text), "--data.patterns", '["*.txt"]', "--data.val_fraction", "0.2",
+            "--data.cache_dir", str(tmp_path / "cache")]
+    flexmoba("fit", *args, cwd=tmp_path)
+    rows = metrics_of(root)
+    val = last_row_with(rows, "val/bpb")
+    assert val["val/bpb"] == pytest.approx(val["val/loss"] / math.log(2), rel=1e-6)
+    assert 0 < val["val/bpb"] < 8  # uniform guessing over bytes costs exactly 8 bits
+    grad_norms = [float(r["train/grad_norm"]) for r in rows if r.get("train/grad_norm")]
+    assert len(grad_norms) == 6 and all(0 < g < 1e3 for g in grad_norms)
+    speed = last_row_with(rows, "throughput/train/device/flops_per_sec")
+    flops_per_token = tiny_model_config().flops_per_token(128, training=True)
+    assert speed["throughput/train/device/flops_per_sec"] / speed["throughput/train/device/items_per_sec"] == \
+        pytest.approx(flops_per_token, rel=1e-6)
+    (manifest,) = (tmp_path / "cache").glob("*.json")
+    assert json.loads(manifest.read_text())["patterns"] == ["*.txt"]
+    flexmoba("test", *args, "--ckpt_path", "last", cwd=tmp_path)
+    test = last_row_with(metrics_of(root), "test/bpb")
+    assert test["test/bpb"] == pytest.approx(test["test/loss"] / math.log(2), rel=1e-6)
