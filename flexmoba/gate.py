@@ -4,7 +4,8 @@ For a query at position t of a document (per head):
 
     score[j] = q_t . mean(k over chunk j)          (fp32, no scale, no gradient)
     own      = the chunk holding t                  (always attended, causal inside)
-    past     = top_k - 1 highest-scoring chunks j < own (all of them if fewer)
+    past     = top_k - 1 highest-scoring chunks j < own (all of them if fewer);
+               among exactly equal scores the later chunk wins
 
 Chunks after ``own`` are never attended. A past chunk whose score is NaN or -inf (from
 non-finite inputs) is never selected, so a non-finite key cannot win a slot by accident;
@@ -132,17 +133,32 @@ def gate_scores(rows: torch.Tensor, k: torch.Tensor, layout: ChunkLayout) -> tor
     return scores.gather(-1, index[:, None].expand(B, H, R, layout.n_chunks))
 
 
+def tie_broken_keys(scores: torch.Tensor) -> torch.Tensor:
+    """``[..., n_chunks]`` fp32 scores (no NaN) -> int64 keys in the same order, all distinct.
+
+    Among exactly equal scores the later chunk gets the larger key. ``torch.topk`` leaves
+    the order of ties to its algorithm (on CPU it changes with the row length), so keys
+    that never tie make the selection one deterministic rule on every path and device.
+    """
+    n_chunks = scores.shape[-1]
+    scores = scores.masked_fill(scores == 0, 0.0)  # -0.0 and 0.0 are one score; their bits differ
+    bits = scores.contiguous().view(torch.int32).long()
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # IEEE order as integer order
+    return ordered * n_chunks + torch.arange(n_chunks, device=scores.device)
+
+
 def select_past_chunks(scores: torch.Tensor, own: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top ``top_k - 1`` chunks before ``own: [B, R]`` per row of ``scores: [B, H, R, n_chunks]``.
 
+    Exact ties go to the later (higher-index) chunk, see :func:`tie_broken_keys`.
     Returns ``(indices, valid)``, each ``[B, H, R, P]`` with ``P = min(top_k - 1, n_chunks - 1)``.
     """
     n_chunks = scores.shape[-1]
     local = torch.arange(n_chunks, device=scores.device)
     eligible = (local < own[:, None, :, None]) & ~torch.isnan(scores)
     scores = scores.masked_fill(~eligible, float("-inf"))
-    values, indices = scores.topk(min(top_k - 1, n_chunks - 1), dim=-1)
-    return indices, values > float("-inf")
+    indices = tie_broken_keys(scores).topk(min(top_k - 1, n_chunks - 1), dim=-1).indices
+    return indices, scores.gather(-1, indices) > float("-inf")
 
 
 def select_chunks(
