@@ -9,6 +9,15 @@ non-embedding parameter (a Chinchilla-style rule), then validated once. A finish
 leaves ``result.json`` and is skipped on re-run; an interrupted one resumes from its
 ``checkpoints/last.ckpt``. The report (:mod:`lit.scaling_report`) fits ``L = a · C^b`` per
 attention type and position window.
+
+Under ``torchrun`` (one process per device, on one node or many) every run is one DDP job
+over all processes:
+
+    torchrun --nproc-per-node 2 -m lit.sweep configs/sweep/toy.yaml
+
+Rank 0 alone decides which runs to start, resume or skip (every rank then follows its
+plan) and alone writes results and the report. ``batch_size`` is the global batch, split
+evenly over the processes, so a sweep gives the same runs on any number of processes.
 """
 
 from __future__ import annotations
@@ -16,10 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+import torch.distributed as dist
 import yaml
 
 from flexmoba.model import ModelConfig
@@ -152,14 +163,76 @@ class Run:
         }
 
 
-def execute(run: Run) -> dict:
-    """Fit (or resume) one run, validate it, and write its ``result.json``."""
+@dataclass(frozen=True)
+class Processes:
+    """The processes running the sweep: ``WORLD_SIZE``/``RANK``/``LOCAL_WORLD_SIZE`` as torchrun sets them."""
+
+    world: int = 1
+    rank: int = 0
+    local_world: int = 1
+
+    @classmethod
+    def from_env(cls) -> Processes:
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        return cls(world, int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def launch_args(self, spec: SweepSpec) -> list[str]:
+        """Trainer and batch arguments for this many processes (not part of a run's settings)."""
+        if self.world == 1:
+            return []
+        if spec.batch_size % self.world:
+            raise ValueError(f"batch_size {spec.batch_size} is the global batch: it must divide evenly over "
+                             f"{self.world} processes")
+        strategy = [] if "--trainer.strategy" in spec.cli_args else ["--trainer.strategy", "ddp"]
+        return ["--trainer.devices", str(self.local_world), "--trainer.num_nodes", str(self.world // self.local_world),
+                "--data.batch_size", str(spec.batch_size // self.world), *strategy]
+
+    def share(self, decide):
+        """``decide()`` on rank 0, its value (or its exception) on every rank."""
+        if self.world == 1:
+            return decide()
+        outcome = [None]
+        if self.is_main:
+            try:
+                outcome = [("value", decide())]
+            except Exception as error:  # every rank must raise it, or the others would wait forever
+                outcome = [("error", error)]
+        dist.broadcast_object_list(outcome, src=0, group=_coordination_group())
+        kind, value = outcome[0]
+        if kind == "error":
+            raise value
+        return value
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier(group=_coordination_group())
+
+
+_GROUP = None
+
+
+def _coordination_group():
+    """A gloo group for the sweep's own messages (the default group may be NCCL, set up first here
+    from torchrun's environment; Lightning then reuses it)."""
+    global _GROUP
+    if _GROUP is None:
+        if not dist.is_initialized():
+            dist.init_process_group("cpu:gloo,cuda:nccl" if dist.is_nccl_available() else "gloo")
+        _GROUP = dist.new_group(backend="gloo")
+    return _GROUP
+
+
+def execute(run: Run, resume: bool, processes: Processes = Processes()) -> dict:
+    """Fit (or resume) one run and validate it; rank 0 writes its ``result.json``."""
     from lit.cli import run_cli  # Lightning is imported only when a run really happens
 
-    last = run.folder / "checkpoints" / "last.ckpt"
-    resume = ["--ckpt_path", str(last)] if last.exists() else []
+    resume_args = ["--ckpt_path", str(run.folder / "checkpoints" / "last.ckpt")] if resume else []
     started = time.time()
-    cli = run_cli(["fit", *run.cli_args(), *resume])
+    cli = run_cli(["fit", *run.cli_args(), *processes.launch_args(run.spec), *resume_args])
     metrics = cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)[0]
     result = {
         "run": run.name,
@@ -167,32 +240,52 @@ def execute(run: Run) -> dict:
         "attention": run.attention_name,
         "steps": run.steps(),
         "seconds": time.time() - started,
-        "resumed": bool(resume),
+        "resumed": resume,
         "cli_args": run.cli_args(),
         **run.compute(),
         "metrics": {k: float(v) for k, v in metrics.items()},
     }
-    (run.folder / "result.json").write_text(json.dumps(result, indent=2))
+    if processes.is_main:
+        (run.folder / "result.json").write_text(json.dumps(result, indent=2))
+    processes.barrier()
     return result
 
 
-def run_sweep(spec: SweepSpec) -> list[dict]:
-    """Run every unfinished run of the sweep, in order, and return all results."""
-    runs = spec.runs()
-    results = []
-    for i, run in enumerate(runs, 1):
+PLAN_WORDS = {"start": "starting", "resume": "resuming"}
+
+
+def plan_runs(spec: SweepSpec) -> list[tuple[str, dict | None]]:
+    """Per run: ``("done", result)``, ``("resume", None)`` or ``("start", None)``, from its folder."""
+    plan = []
+    for run in spec.runs():
         done = run.folder / "result.json"
         if done.exists():
             result = json.loads(done.read_text())
             if result.get("cli_args", run.cli_args()) != run.cli_args():
                 raise ValueError(f"run {run.name} in {run.folder} finished under other settings than the sweep "
                                  "config now asks for; use a new out_dir or delete that run's folder")
-            print(f"[{i}/{len(runs)}] {run.name}: done, skipped", flush=True)
+            plan.append(("done", result))
+        else:
+            plan.append(("resume" if (run.folder / "checkpoints" / "last.ckpt").exists() else "start", None))
+    return plan
+
+
+def run_sweep(spec: SweepSpec, processes: Processes = Processes()) -> list[dict]:
+    """Run every unfinished run of the sweep, in order, and return all results.
+
+    Rank 0 reads the folders and decides; every rank follows that one plan.
+    """
+    runs = spec.runs()
+    plan = processes.share(lambda: plan_runs(spec))
+    say = print if processes.is_main else lambda *args, **kwargs: None
+    results = []
+    for i, (run, (state, result)) in enumerate(zip(runs, plan, strict=True), 1):
+        if state == "done":
+            say(f"[{i}/{len(runs)}] {run.name}: done, skipped", flush=True)
             results.append(result)
             continue
-        state = "resuming" if (run.folder / "checkpoints" / "last.ckpt").exists() else "starting"
-        print(f"[{i}/{len(runs)}] {run.name}: {state}, {run.steps()} steps", flush=True)
-        results.append(execute(run))
+        say(f"[{i}/{len(runs)}] {run.name}: {PLAN_WORDS[state]}, {run.steps()} steps", flush=True)
+        results.append(execute(run, resume=state == "resume", processes=processes))
     return results
 
 
@@ -210,8 +303,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{run.name}: {run.steps()} steps, N={c['params_non_embedding']}, D={c['tokens']}, "
                   f"C={c['compute_6nd']:.3g} PFLOP/s-days (6ND)")
         return
+    processes = Processes.from_env()
     if not args.report_only:
-        run_sweep(spec)
+        run_sweep(spec, processes)
+    if not processes.is_main:
+        return
     from lit.scaling_report import write_report
 
     report = write_report(Path(spec.out_dir))

@@ -1,5 +1,6 @@
 """Scaling-law sweep: report from known points, a tiny real sweep, resume after a kill."""
 
+import csv
 import json
 import os
 import signal
@@ -113,4 +114,53 @@ def test_killed_sweep_resumes_without_redoing_finished_runs(tmp_path, corpus_cac
     spec["seq_len"] = 64
     config.write_text(yaml.safe_dump(spec))
     changed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert changed.returncode != 0 and "finished under other settings" in changed.stderr
+
+
+def sweep_rows(sweep: Path) -> list[dict]:
+    with open(sweep / "runs.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def assert_same_runs(got: list[dict], expected: list[dict]) -> None:
+    """The same runs, columns and settings; metrics equal to fp32 noise; wall time apart."""
+    assert [list(r) for r in got] == [list(r) for r in expected]
+    for row, want in zip(got, expected, strict=True):
+        for column, value in want.items():
+            if column == "seconds":
+                continue
+            if column.startswith(("val/", "compute_")):
+                assert float(row[column]) == pytest.approx(float(value), rel=1e-4), (row["run"], column)
+            else:
+                assert row[column] == value, (row["run"], column)
+
+
+@pytest.mark.slow
+def test_two_process_sweep_writes_the_runs_of_a_one_process_sweep(tmp_path, corpus_cache):
+    """Under torchrun every run is one DDP job; rank 0 alone plans, prints and writes."""
+    config = tiny_spec(tmp_path, corpus_cache)
+    spec = yaml.safe_load(config.read_text())
+    spec["sizes"] = spec["sizes"][:1]  # two tiny runs: a-moba, a-full
+    spec["cli_args"] += ["--trainer.accelerator", "cpu"]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    launcher = {1: [sys.executable], 2: [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                          "--nproc-per-node", "2"]}
+
+    def sweep(processes: int, timeout: int = 600) -> subprocess.CompletedProcess:
+        spec["out_dir"] = str(tmp_path / f"sweep-{processes}")
+        path = tmp_path / f"sweep-{processes}.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        command = [*launcher[processes], "-m", "lit.sweep", str(path)]
+        return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+    for processes in (1, 2):
+        done = sweep(processes)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    for line in ("a-moba: starting", "a-full: starting", "report: "):
+        assert done.stdout.count(line) == 1, done.stdout  # printed by rank 0 only
+    assert_same_runs(sweep_rows(tmp_path / "sweep-2"), sweep_rows(tmp_path / "sweep-1"))
+
+    # A refusal decided on rank 0 ends the whole 2-process sweep, with its message.
+    spec["seq_len"] = 64
+    changed = sweep(2, timeout=180)
     assert changed.returncode != 0 and "finished under other settings" in changed.stderr
