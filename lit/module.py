@@ -160,6 +160,24 @@ class LitLM(L.LightningModule):
         prompt = batch[0][:, :32]
         return {"loss": token_loss.sum(dim=1) / n_tokens, "continuation": self.model.generate(prompt, 16)[:, 32:]}
 
+    # -- sharding -----------------------------------------------------------------------
+
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy`` (``configs/fsdp2.yaml``), shard the model with FSDP2:
+        ``fully_shard`` each block, then the root (embeddings, final norm, head). No-op otherwise."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        mesh = self.device_mesh
+        if mesh is None or isinstance(self.model, FSDPModule):  # not model parallel, or sharded already
+            return
+        if mesh["tensor_parallel"].size() != 1:
+            raise ValueError(f"FSDP2 shards over data parallelism only: set the strategy's tensor_parallel_size: 1 "
+                             f"and data_parallel_size to the number of processes ({mesh.size()})")
+        data_mesh = mesh["data_parallel"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=data_mesh)
+        fully_shard(self.model, mesh=data_mesh)
+
     # -- optimizer ----------------------------------------------------------------------
 
     def configure_optimizers(self):
