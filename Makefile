@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 
 .PHONY: venv test compare sweep bench clean
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml Makefile flexmoba/__init__.py  # the version lives there
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install -q -e ".[train,dev,hf]"
