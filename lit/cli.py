@@ -213,7 +213,8 @@ def main() -> None:
     try:
         run_cli()
     except TrainingDiverged as diverged:
-        sys.stderr.write(f"flexmoba: error: {diverged}\n")
+        if rank_zero_only.rank == 0:  # every process stops; one says why
+            sys.stderr.write(f"flexmoba: error: {diverged}\n")
         sys.exit(1)
 
 

@@ -126,8 +126,8 @@ def newest_intact_checkpoint(folder: str | os.PathLike) -> tuple[Path | None, di
     """The newest complete ``*.ckpt`` in ``folder`` (``last.ckpt`` first among equally new
     ones), and the problem of each newer one that was skipped.
     """
-    files = sorted(Path(folder).glob("*.ckpt"), key=lambda p: (p.stat().st_mtime, p.name == "last.ckpt"),
-                   reverse=True)
+    files = [p for p in Path(folder).glob("*.ckpt") if p.exists()]  # not a dangling last.ckpt link
+    files.sort(key=lambda p: (p.stat().st_mtime, p.name == "last.ckpt"), reverse=True)
     skipped = {}
     for path in files:
         problem = checkpoint_problem(path)

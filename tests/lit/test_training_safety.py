@@ -198,6 +198,7 @@ def test_newest_intact_checkpoint_skips_truncated_files(tmp_path):
         time.sleep(0.01)
     atomic_torch_save({"step": 4}, tmp_path / "last.ckpt")
     truncate(tmp_path / "last.ckpt")
+    (tmp_path / "gone.ckpt").symlink_to(tmp_path / "removed.ckpt")  # save_last="link" to a removed file
     chosen, skipped = newest_intact_checkpoint(tmp_path)
     assert chosen == tmp_path / "step4.ckpt" and list(skipped) == [tmp_path / "last.ckpt"]
 
