@@ -24,6 +24,7 @@ from lit.guards import (
     atomic_torch_save,
     newest_intact_checkpoint,
 )
+from lit.metrics import IGNORE_INDEX, WindowedLoss, position_windows
 from lit.module import LitLM
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -155,6 +156,15 @@ def test_validation_reports_nan_instead_of_dropping_it():
     for name in ("val/loss", "val/ppl", "val/loss_pos_000000_000032", "val/loss_pos_000032_000064",
                  "val/loss_trailing"):
         assert name in logged and torch.isnan(logged[name]), name
+
+
+def test_windowed_loss_tells_an_unreached_window_from_a_nan_one():
+    metric = WindowedLoss(position_windows(6, 2))
+    targets = torch.tensor([[1, 1, 1, 1, IGNORE_INDEX, IGNORE_INDEX]])  # reaches windows [0, 2) and [2, 4) only
+    metric.update(torch.tensor([[1.0, 1.0, float("nan"), 1.0, 1.0, 1.0]]), targets)
+    losses = metric.compute()
+    assert metric.reached().tolist() == [True, True, False]
+    assert losses[0] == 1.0 and losses[1:].isnan().all()
 
 
 # -- divergence guard, through the CLI ----------------------------------------------------------
