@@ -140,7 +140,7 @@ def select_files(
 
 
 def corpus_fingerprint(selected: dict[str, list[tuple[str, int]]], *, python: str | None = None, **options) -> str:
-    """Hash of the selected files (paths and sizes), the slicing options and, for the stdlib,
+    """Hash of the selected files (paths and sizes), the slicing options and, for Python sources,
     the Python version. Checkpoints store it, so a resumed run checks its data is the same."""
     payload = {
         "python": python,
@@ -419,11 +419,17 @@ class ByteFilesData(L.LightningDataModule):
 
     def _cache(self) -> tuple[TokenCache, dict[str, list[tuple[str, int]]]]:
         selected = self._selected_files()
-        python = sys.version if Path(self.root) == Path(default_root()) else None
-        self.fingerprint = corpus_fingerprint(selected, python=python, patterns=sorted(self.patterns),
-                                              val_fraction=self.val_fraction, test_fraction=self.test_fraction)
+        self.fingerprint = self._fingerprint(selected)
         stem = f"bytes-{self.fingerprint}-{source_key(self.root, selected)}"
         return TokenCache(self.cache_dir, stem), selected
+
+    def _fingerprint(self, selected: dict[str, list[tuple[str, int]]]) -> str:
+        """Python sources (the default patterns) as before: with the Python version, which changes the
+        stdlib, so checkpoints of earlier runs still resume; other files: with their patterns instead."""
+        options = {"val_fraction": self.val_fraction, "test_fraction": self.test_fraction}
+        if sorted(self.patterns) == sorted(DEFAULT_PATTERNS):
+            return corpus_fingerprint(selected, python=sys.version, **options)
+        return corpus_fingerprint(selected, patterns=sorted(self.patterns), **options)
 
     def prepare_data(self) -> None:
         """Tokenize the corpus into the cache (once per node under DDP; later runs reuse it)."""

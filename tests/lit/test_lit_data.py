@@ -1,9 +1,11 @@
 """Byte corpus: file patterns, splits, document-bounded sequences, the memory-mapped cache, errors."""
 
+import hashlib
 import json
 import math
 import os
 import pickle
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -314,3 +316,13 @@ def test_fit_on_own_text_files_logs_bits_per_byte_grad_norm_and_throughput(tmp_p
     flexmoba("test", *args, "--ckpt_path", "last", cwd=tmp_path)
     test = last_row_with(metrics_of(root), "test/bpb")
     assert test["test/bpb"] == pytest.approx(test["test/loss"] / math.log(2), rel=1e-6)
+
+
+def test_python_sources_keep_the_fingerprint_of_earlier_versions(corpus, tmp_path):
+    """Checkpoints store the fingerprint: runs on .py files from before file patterns existed still resume."""
+    data = make_data(corpus, tmp_path)
+    files = {split: [[rel, size] for rel, size in fs] for split, fs in data._selected_files().items()}
+    payload = {"python": sys.version, "options": {"val_fraction": 0.2, "test_fraction": 0.1}, "files": files}
+    assert data.fingerprint == hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+    text = make_data(corpus, tmp_path, patterns=["*.py", "*.txt"])
+    assert text.fingerprint != data.fingerprint
