@@ -170,6 +170,14 @@ def write_token_file(root: str, files: list[tuple[str, int]], path: Path) -> np.
     return np.asarray(offsets, dtype=np.int64)
 
 
+class CorpusError(ValueError):
+    """The files under ``root`` cannot make a corpus; ``option`` is the argument to change."""
+
+    def __init__(self, option: str, message: str):
+        super().__init__(message)
+        self.option = option
+
+
 class TokenCache:
     """The corpus tokenized once: ``<stem>.bin`` (uint8 bytes of every document, train then
     val then test), ``<stem>.npy`` (document offsets into it) and ``<stem>.json`` (manifest:
@@ -380,22 +388,29 @@ class ByteFilesData(L.LightningDataModule):
         """The files under ``root`` matching ``patterns``; a clear error when there are none."""
         if not os.path.isdir(self.root):
             what = "is not a directory" if os.path.exists(self.root) else "does not exist"
-            raise ValueError(f"root={self.root!r} {what}")
+            raise CorpusError("root", f"root={self.root!r} {what}")
         files = list_files(self.root, self.patterns)
         if files:
             return files
         others = [path.relative_to(self.root).as_posix() for path in islice(walk_files(self.root), 3)]
         if not others:
-            raise ValueError(f"root={self.root!r} is empty: it holds no files (hidden folders are skipped)")
-        raise ValueError(f"patterns={self.patterns!r} match no file under root={self.root!r} "
-                         f"(it holds e.g. {', '.join(others)})")
+            raise CorpusError("root", f"root={self.root!r} is empty: it holds no files (hidden folders are skipped)")
+        raise CorpusError("patterns", f"patterns={self.patterns!r} match no file under root={self.root!r} "
+                                      f"(it holds e.g. {', '.join(others)})")
+
+    def check_files(self) -> None:
+        """Raise :class:`CorpusError` (naming the argument to change) if ``root``, ``patterns`` and
+        ``seq_len`` give no usable train and val files; reads no file, so a command line can call
+        it before anything is built."""
+        self._selected_files()
 
     def _selected_files(self) -> dict[str, list[tuple[str, int]]]:
         files = self._matching_files()
         min_doc_bytes = 2 if self.pad_short_docs else self.seq_len + 1
         n_short = sum(size < min_doc_bytes for _, size in files)
         if n_short == len(files):
-            raise ValueError(
+            raise CorpusError(
+                "seq_len",
                 f"all {n_short} files matching patterns={self.patterns!r} under root={self.root!r} are shorter "
                 f"than {min_doc_bytes} bytes (seq_len={self.seq_len} + 1), so all were skipped; lower seq_len or "
                 "set pad_short_docs=True"
@@ -410,7 +425,8 @@ class ByteFilesData(L.LightningDataModule):
         )
         for split in ("train", "val"):
             if not selected[split]:
-                raise ValueError(
+                raise CorpusError(
+                    "val_fraction" if split == "val" else "root",
                     f"the {split} split of root={self.root!r} is empty: no file of at least {min_doc_bytes} bytes "
                     f"(seq_len={self.seq_len} + 1) hashes into it ({len(files) - n_short} long enough, {n_short} "
                     "shorter ones skipped); add files, lower seq_len, set pad_short_docs=True, or change val_fraction"

@@ -18,6 +18,7 @@ from flexmoba.model import ModelConfig
 from lit.data import (
     IGNORE_INDEX,
     ByteFilesData,
+    CorpusError,
     PythonSourceData,
     ResumableSampler,
     default_corpus_dir,
@@ -196,37 +197,51 @@ def test_max_files_slices_every_split(corpus, tmp_path):
     assert len(files["train"]) == 3 and len(files["val"]) >= 1 and len(files["test"]) >= 1
 
 
-def prepare_error(tmp_path, **kwargs) -> str:
+def prepare_error(tmp_path, option: str, **kwargs) -> str:
+    """The message of the error ``prepare_data`` raises; ``check_files`` raises the same, for ``option``."""
     data = ByteFilesData(cache_dir=str(tmp_path / "cache"), **{"seq_len": 16, **kwargs})
+    with pytest.raises(CorpusError) as checked:
+        data.check_files()
+    assert checked.value.option == option
     with pytest.raises(ValueError) as error:
         data.prepare_data()
+    assert str(error.value) == str(checked.value)
     return str(error.value)
 
 
 def test_missing_root_names_the_parameter(tmp_path):
-    assert "root=" in prepare_error(tmp_path, root=str(tmp_path / "absent")) and "does not exist" in \
-        prepare_error(tmp_path, root=str(tmp_path / "absent"))
+    message = prepare_error(tmp_path, "root", root=str(tmp_path / "absent"))
+    assert "root=" in message and "does not exist" in message
     (tmp_path / "a_file").write_text("x")
-    assert "not a directory" in prepare_error(tmp_path, root=str(tmp_path / "a_file"))
+    assert "not a directory" in prepare_error(tmp_path, "root", root=str(tmp_path / "a_file"))
 
 
 def test_empty_root_names_the_parameter(tmp_path):
     (tmp_path / "empty" / ".git").mkdir(parents=True)
     (tmp_path / "empty" / ".git" / "HEAD").write_text("ref")
-    message = prepare_error(tmp_path, root=str(tmp_path / "empty"))
+    message = prepare_error(tmp_path, "root", root=str(tmp_path / "empty"))
     assert "root=" in message and "empty" in message
 
 
 def test_patterns_matching_nothing_name_the_parameter(tmp_path):
     write_corpus(tmp_path / "text", {"a.txt": 100})
-    message = prepare_error(tmp_path, root=str(tmp_path / "text"), patterns=["*.md"])
+    message = prepare_error(tmp_path, "patterns", root=str(tmp_path / "text"), patterns=["*.md"])
     assert "patterns=['*.md']" in message and "a.txt" in message
 
 
 def test_all_files_too_short_says_how_many_were_skipped(tmp_path):
     write_corpus(tmp_path / "text", {"a.txt": 16, "b.txt": 5, "c.txt": 3})
-    message = prepare_error(tmp_path, root=str(tmp_path / "text"), patterns=["*.txt"])
+    message = prepare_error(tmp_path, "seq_len", root=str(tmp_path / "text"), patterns=["*.txt"])
     assert "all 3 files" in message and "seq_len=16" in message and "pad_short_docs" in message
+
+
+def test_empty_validation_split_names_val_fraction(tmp_path):
+    sizes = {"a.txt": 100, "b.txt": 100, "c.txt": 100}
+    assert all(split_of(rel, 0.01, 0.0) == "train" for rel in sizes)  # none hashes into val
+    write_corpus(tmp_path / "text", sizes)
+    message = prepare_error(tmp_path, "val_fraction", root=str(tmp_path / "text"), patterns=["*.txt"],
+                            val_fraction=0.01, test_fraction=0.0)
+    assert "the val split" in message and "3 long enough, 0 shorter ones skipped" in message
 
 
 @pytest.mark.parametrize("patterns", [[], [""], [3]])
