@@ -112,8 +112,17 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         atomic_torch_save(checkpoint, path)
 
 
+# Lightning's ModelParallel/FSDP strategies write torch.distributed.checkpoint's ".metadata", then "meta.pt".
+SHARDED_CHECKPOINT_METADATA = (".metadata", "meta.pt")
+
+
 def checkpoint_problem(path: str | os.PathLike) -> str | None:
-    """Why ``path`` is not a complete checkpoint file (every zip member read back), or None."""
+    """Why ``path`` is not a complete checkpoint (every zip member of a file read back; a sharded
+    checkpoint folder's two metadata files, written last), or None.
+    """
+    if os.path.isdir(path):
+        missing = [name for name in SHARDED_CHECKPOINT_METADATA if not os.path.isfile(os.path.join(path, name))]
+        return f"sharded checkpoint without {', '.join(missing)}" if missing else None
     try:
         with zipfile.ZipFile(path) as archive:
             bad_member = archive.testzip()

@@ -22,6 +22,7 @@ from lit.guards import (
     SafeModelCheckpoint,
     TrainingDiverged,
     atomic_torch_save,
+    checkpoint_problem,
     newest_intact_checkpoint,
 )
 from lit.metrics import IGNORE_INDEX, WindowedLoss, position_windows
@@ -211,6 +212,16 @@ def test_newest_intact_checkpoint_skips_truncated_files(tmp_path):
     (tmp_path / "gone.ckpt").symlink_to(tmp_path / "removed.ckpt")  # save_last="link" to a removed file
     chosen, skipped = newest_intact_checkpoint(tmp_path)
     assert chosen == tmp_path / "step4.ckpt" and list(skipped) == [tmp_path / "last.ckpt"]
+
+
+def test_a_sharded_checkpoint_folder_is_intact_once_its_metadata_is_written(tmp_path):
+    folder = tmp_path / "step6.ckpt"
+    folder.mkdir()
+    (folder / "__0_0.distcp").write_bytes(b"shard")
+    assert checkpoint_problem(folder) == "sharded checkpoint without .metadata, meta.pt"
+    (folder / ".metadata").write_bytes(b"index")
+    torch.save({"global_step": 6}, folder / "meta.pt")
+    assert checkpoint_problem(folder) is None
 
 
 def truncate(path: Path) -> None:
