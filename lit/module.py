@@ -9,12 +9,20 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ThroughputMonitor
+from torch.utils.checkpoint import checkpoint
 from torchmetrics import MeanMetric
 
 from flexmoba.model import GPT, ModelConfig
 from lit.metrics import IGNORE_INDEX, WindowedLoss, position_windows
 from lit.metrics import trailing_window as trailing_positions
 from lit.throughput import ModelFlopsThroughput
+
+
+def checkpointed(forward):
+    """``forward`` that keeps no activations: they are recomputed in the backward."""
+    def run(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return run
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -38,6 +46,9 @@ class LitLM(L.LightningModule):
             stop a run early on the same schedule as a longer one.
         position_window: width of the loss-by-position windows.
         trailing_window: the last W positions, reported as ``<stage>/loss_trailing``.
+        activation_checkpointing: recompute each block's activations in the backward
+            instead of keeping them (less memory, about one more forward of compute).
+        compile: ``torch.compile`` the whole model (after FSDP2 sharding, if any).
     """
 
     def __init__(
@@ -52,6 +63,8 @@ class LitLM(L.LightningModule):
         lr_decay_steps: int | None = None,
         position_window: int = 256,
         trailing_window: int = 256,
+        activation_checkpointing: bool = False,
+        compile: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -163,6 +176,19 @@ class LitLM(L.LightningModule):
     # -- sharding -----------------------------------------------------------------------
 
     def configure_model(self) -> None:
+        """Once (Lightning calls it for every stage): activation checkpointing per block if asked,
+        FSDP2 sharding under ``ModelParallelStrategy``, then ``torch.compile`` if asked."""
+        if getattr(self, "_model_configured", False):
+            return
+        self._model_configured = True
+        if self.hparams.get("activation_checkpointing"):
+            for block in self.model.blocks:
+                block.forward = checkpointed(block.forward)  # keeps parameter names, unlike a wrapper module
+        self.shard_fsdp2()
+        if self.hparams.get("compile"):
+            self.model.compile()  # in place: parameter names (and checkpoints) stay those of the plain model
+
+    def shard_fsdp2(self) -> None:
         """Under ``ModelParallelStrategy`` (``configs/fsdp2.yaml``), shard the model with FSDP2:
         ``fully_shard`` each block, then the root (embeddings, final norm, head). No-op otherwise."""
         from torch.distributed.fsdp import FSDPModule, fully_shard
