@@ -187,9 +187,9 @@ class Processes:
         if spec.batch_size % self.world:
             raise ValueError(f"batch_size {spec.batch_size} is the global batch: it must divide evenly over "
                              f"{self.world} processes")
-        strategy = [] if "--trainer.strategy" in spec.cli_args else ["--trainer.strategy", "ddp"]
+        # The strategy is left to the configs: Lightning's "auto" is DDP on several devices.
         return ["--trainer.devices", str(self.local_world), "--trainer.num_nodes", str(self.world // self.local_world),
-                "--data.batch_size", str(spec.batch_size // self.world), *strategy]
+                "--data.batch_size", str(spec.batch_size // self.world)]
 
     def share(self, decide):
         """``decide()`` on rank 0, its value (or its exception) on every rank."""
