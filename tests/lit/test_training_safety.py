@@ -12,7 +12,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from conftest import flexmoba_command
+from conftest import flexmoba_command, read_metrics
 
 from flexmoba.model import ModelConfig
 from lit.checkpoint import load_model, read_checkpoint
@@ -260,31 +260,39 @@ def final_values(rows: list[dict[str, str]]) -> dict[str, float]:
     return values
 
 
+KILL_RUN = ["--trainer.max_steps", "12", "--checkpoint.every_n_train_steps", "2", "--trainer.val_check_interval", "4",
+            "--trainer.limit_train_batches", "3"]  # 3 batches an epoch: resumed runs cross epochs and reshuffle
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, corpus_cache) -> dict[str, tuple[int, float]]:
+    root = tmp_path_factory.mktemp("uninterrupted")
+    proc = run("fit", *tiny_args(root, corpus_cache), *KILL_RUN, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return final_values(read_metrics(root))
+
+
 @pytest.mark.slow
-def test_run_killed_after_its_first_checkpoint_resumes_to_the_same_metrics(tmp_path, corpus_cache, metrics_of):
-    # 3 batches an epoch, so the kill lands mid-epoch or across epochs and the resumed run reshuffles.
-    common = ["--trainer.max_steps", "12", "--checkpoint.every_n_train_steps", "2",
-              "--trainer.val_check_interval", "4", "--trainer.limit_train_batches", "3"]
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
+@pytest.mark.parametrize("kill_after", ["step000002.ckpt", "step000006.ckpt"], ids=["mid-epoch", "epoch-end"])
+def test_run_killed_after_a_checkpoint_resumes_to_the_same_metrics(kill_after, uninterrupted, tmp_path,
+                                                                   corpus_cache):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen([*flexmoba_command(), "fit", *tiny_args(killed, corpus_cache), *common], cwd=tmp_path,
+    proc = subprocess.Popen([*flexmoba_command(), "fit", *tiny_args(tmp_path, corpus_cache), *KILL_RUN], cwd=tmp_path,
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 240
-    while not list((killed / "checkpoints").glob("*.ckpt")) and proc.poll() is None and time.monotonic() < deadline:
+    while not (tmp_path / "checkpoints" / kill_after).exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL  # killed mid-run, not finished
-    newest, _ = newest_intact_checkpoint(killed / "checkpoints")
+    newest, _ = newest_intact_checkpoint(tmp_path / "checkpoints")
     assert global_step(newest) < 12
-    resumed_run = run("fit", *tiny_args(killed, corpus_cache), *common, "--ckpt_path", "last", cwd=tmp_path)
+    resumed_run = run("fit", *tiny_args(tmp_path, corpus_cache), *KILL_RUN, "--ckpt_path", "last", cwd=tmp_path)
     assert resumed_run.returncode == 0, resumed_run.stderr[-3000:]
-    uninterrupted = run("fit", *tiny_args(straight, corpus_cache), *common, cwd=tmp_path)
-    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
-    resumed_rows = list(csv_rows(killed))
+    resumed_rows = csv_rows(tmp_path)
     assert min(int(r["step"]) for r in resumed_rows if r.get("train/loss")) == global_step(newest)  # not from scratch
-    expected, resumed = final_values(metrics_of(straight)), final_values(resumed_rows)
-    assert set(expected) == set(resumed) and expected["train/loss"][0] == 11
-    for key, (step, value) in expected.items():
+    resumed = final_values(resumed_rows)
+    assert set(resumed) == set(uninterrupted) and uninterrupted["train/loss"][0] == 11
+    for key, (step, value) in uninterrupted.items():
         assert resumed[key][0] == step and resumed[key][1] == pytest.approx(value, rel=1e-6, abs=1e-7), key
 
 
