@@ -173,6 +173,10 @@ class Processes:
 
     @classmethod
     def from_env(cls) -> Processes:
+        if "WORLD_SIZE" not in os.environ and int(os.environ.get("SLURM_NTASKS", 1)) > 1:
+            raise RuntimeError("lit.sweep under srun with several tasks: start one torchrun per node instead "
+                               "(srun --ntasks-per-node 1 torchrun --nnodes ... -m lit.sweep ...), so that the "
+                               "processes know their ranks and rank 0 alone plans and writes")
         world = int(os.environ.get("WORLD_SIZE", 1))
         return cls(world, int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 

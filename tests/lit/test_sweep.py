@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from lit.scaling_report import write_report
-from lit.sweep import SweepSpec
+from lit.sweep import ModelSize, Processes, SweepSpec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,6 +62,30 @@ def test_shipped_sweep_configs_parse(path):
     spec = SweepSpec.from_yaml(path)
     assert len(spec.sizes) >= 4 and len(spec.runs()) == len(spec.sizes) * len(spec.attention)
     assert all(run.steps() >= spec.min_steps for run in spec.runs())
+
+
+def test_processes_come_from_torchrun_and_srun_tasks_are_refused(monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    assert Processes.from_env() == Processes(1, 0, 1)
+    monkeypatch.setenv("SLURM_NTASKS", "8")  # srun started 8 copies, none knowing its rank
+    with pytest.raises(RuntimeError, match="one torchrun per node"):
+        Processes.from_env()
+    monkeypatch.setenv("WORLD_SIZE", "8")  # torchrun inside an allocation
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    processes = Processes.from_env()
+    assert processes == Processes(8, 5, 4) and not processes.is_main
+
+
+def test_the_sweep_batch_is_global_and_split_over_the_processes():
+    spec = SweepSpec(out_dir="x", sizes=[ModelSize("a", 1, 16, 2)], attention={"full": {"attention": "full"}},
+                     batch_size=8)
+    assert Processes().launch_args(spec) == []
+    assert Processes(8, 0, 4).launch_args(spec) == ["--trainer.devices", "4", "--trainer.num_nodes", "2",
+                                                   "--data.batch_size", "1"]
+    with pytest.raises(ValueError, match="global batch"):
+        Processes(3, 0, 3).launch_args(spec)
 
 
 def tiny_spec(tmp_path: Path, corpus_cache: Path) -> Path:
