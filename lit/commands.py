@@ -64,12 +64,14 @@ def main(argv: list[str] | None = None) -> None:
         close = difflib.get_close_matches(name, SUBCOMMANDS, n=1)
         hint = f"; did you mean {close[0]}?" if close else "; flexmoba --help lists them"
         fail("flexmoba", f"unknown subcommand {name!r}{hint}")
+    if name in LIGHTNING:
+        # argv[0] stays the real program: Lightning's DDP launcher re-runs it in the other ranks.
+        sys.argv = [sys.argv[0], name, *rest]
+        importlib.import_module("lit.cli").main()
+        return
     sys.argv = [f"flexmoba {name}", *rest]  # argparse names the program after argv[0]
     if name == "bench":
         run_benchmark(rest)
-    elif name in LIGHTNING:
-        sys.argv = ["flexmoba", name, *rest]
-        importlib.import_module("lit.cli").main()
     else:
         importlib.import_module(SUBCOMMANDS[name][0]).main(rest)
 

@@ -22,6 +22,31 @@ def trailing_window(seq_len: int, window: int) -> list[tuple[int, int]]:
     return [(seq_len - window, seq_len)]
 
 
+class TokenMeanLoss(Metric):
+    """Mean loss over every valid target token, summed in float64; a NaN loss is reported as
+    NaN, never dropped (torchmetrics' ``MeanMetric(nan_strategy="disable")`` would also drop
+    the weights). States ``loss_sum`` and ``token_count`` (``dist_reduce_fx="sum"``)."""
+
+    full_state_update = False
+    higher_is_better = False
+    is_differentiable = False
+
+    def __init__(self, ignore_index: int = IGNORE_INDEX, **kwargs):
+        super().__init__(**kwargs)
+        self.ignore_index = ignore_index
+        self.add_state("loss_sum", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("token_count", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, token_loss: torch.Tensor, targets: torch.Tensor) -> None:
+        """``token_loss: [B, S]`` per-target loss; ``targets: [B, S]`` with ``ignore_index`` for padding."""
+        valid = targets != self.ignore_index
+        self.loss_sum += token_loss.detach().double()[valid].sum()
+        self.token_count += valid.sum()
+
+    def compute(self) -> torch.Tensor:
+        return (self.loss_sum / self.token_count).float()
+
+
 class WindowedLoss(Metric):
     """Mean token loss inside fixed target-position windows.
 

@@ -10,10 +10,9 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ThroughputMonitor
 from torch.utils.checkpoint import checkpoint
-from torchmetrics import MeanMetric
 
 from flexmoba.model import GPT, ModelConfig
-from lit.metrics import IGNORE_INDEX, WindowedLoss, position_windows
+from lit.metrics import IGNORE_INDEX, TokenMeanLoss, WindowedLoss, position_windows
 from lit.metrics import trailing_window as trailing_positions
 from lit.throughput import ModelFlopsThroughput
 
@@ -76,7 +75,7 @@ class LitLM(L.LightningModule):
         self.windows = position_windows(seq_len, position_window)
         self.metrics = torch.nn.ModuleDict()
         for stage in ("val", "test"):
-            self.metrics[f"{stage}_loss"] = MeanMetric(nan_strategy="disable")  # a NaN loss is reported, not dropped
+            self.metrics[f"{stage}_loss"] = TokenMeanLoss()
             self.metrics[f"{stage}_windows"] = WindowedLoss(self.windows)
             self.metrics[f"{stage}_trailing"] = WindowedLoss(trailing_positions(seq_len, trailing_window))
         self.tokens_per_batch = 0  # of the latest batch, for flops_per_batch
@@ -131,10 +130,7 @@ class LitLM(L.LightningModule):
 
     def _eval_step(self, batch, stage: str) -> None:
         token_loss, targets = self.token_losses(batch)
-        valid = targets != IGNORE_INDEX
-        n_tokens = valid.sum()
-        if n_tokens > 0:
-            self.metrics[f"{stage}_loss"].update(token_loss.sum() / n_tokens, weight=n_tokens)
+        self.metrics[f"{stage}_loss"].update(token_loss, targets)
         self.metrics[f"{stage}_windows"].update(token_loss, targets)
         self.metrics[f"{stage}_trailing"].update(token_loss, targets)
 

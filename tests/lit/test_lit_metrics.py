@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lit.metrics import IGNORE_INDEX, WindowedLoss, position_windows, trailing_window
+from lit.metrics import IGNORE_INDEX, TokenMeanLoss, WindowedLoss, position_windows, trailing_window
 
 X = IGNORE_INDEX
 
@@ -118,3 +118,13 @@ def test_random_masks_match_a_loop_over_sequences():
                     total, count = total + row_loss[t], count + 1
         expected.append(total / count)
     torch.testing.assert_close(metric.compute(), torch.tensor(expected, dtype=torch.float64))
+
+
+def test_token_mean_loss_weights_every_token_equally_and_keeps_nan():
+    """Batches with 1 and 3 valid targets: the mean is over the 4 tokens, not over the 2 batch means."""
+    metric = TokenMeanLoss()
+    metric.update(torch.tensor([[1.0, 5.0]]), torch.tensor([[3, IGNORE_INDEX]]))
+    metric.update(torch.tensor([[2.0, 2.0, 2.0]]), torch.tensor([[1, 2, 3]]))
+    assert metric.compute().item() == pytest.approx((1.0 + 2.0 * 3) / 4)
+    metric.update(torch.tensor([[float("nan")]]), torch.tensor([[4]]))
+    assert math.isnan(metric.compute().item())
