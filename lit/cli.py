@@ -12,7 +12,9 @@
 
 Checkpoints go to ``<trainer.default_root_dir>/checkpoints`` (``last.ckpt`` kept), so
 ``--ckpt_path last`` resumes or evaluates the latest one. Logs: CSV under
-``<root>/csv/version_*/metrics.csv`` and TensorBoard under ``<root>/tb``.
+``<root>/csv/version_*/metrics.csv`` and TensorBoard under ``<root>/tb``, plus any loggers
+given with ``--trainer.logger`` (W&B, MLflow, ...); ``--default_loggers false`` drops CSV and
+TensorBoard. ``predict`` writes ``<root>/predictions/predictions-rank<R>.jsonl``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from flexmoba import validation
 from flexmoba.model import ModelConfig
-from lit.data import PythonSourceData
+from lit.data import CorpusError, PythonSourceData
 from lit.guards import (
     AtomicCheckpointIO,
     DivergenceGuard,
@@ -40,6 +42,7 @@ from lit.guards import (
 )
 from lit.metrics import position_windows, trailing_window
 from lit.module import LitLM
+from lit.prediction_writer import JsonlPredictionWriter
 
 # PythonSourceData resumes mid-epoch through its own state_dict (see lit/data.py); Lightning's
 # check only looks at the DataLoader, so its warning would be wrong here.
@@ -52,6 +55,16 @@ def checkpoint_dir(default_root_dir: str | None) -> str:
 
 def default_loggers(root: str) -> list:
     return [CSVLogger(root, name="csv"), TensorBoardLogger(root, name="tb")]
+
+
+def trainer_loggers(given, root: str, with_defaults: bool):
+    """CSV + TensorBoard (first, so metrics.csv stays where it was) plus the user's loggers;
+    ``False`` (no logging) stays ``False``."""
+    if given is False:
+        return False
+    user = [] if given in (None, True) else list(given) if isinstance(given, (list, tuple)) else [given]
+    loggers = (default_loggers(root) if with_defaults else []) + user
+    return loggers or False
 
 
 PARSER_KEY = re.compile(r'^\s*(?:- )?Parser key "([^"]+)":\s*(.*)$')
@@ -147,6 +160,9 @@ class FlexMobaCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(SafeModelCheckpoint, "checkpoint")
         parser.add_lightning_class_args(DivergenceGuard, "divergence_guard")
+        parser.add_lightning_class_args(JsonlPredictionWriter, "predictions")
+        parser.add_argument("--default_loggers", type=bool, default=True,
+                            help="log to CSV and TensorBoard under the run folder, beside --trainer.logger")
         parser.set_defaults({
             "checkpoint.save_last": True,
             "checkpoint.filename": "step{step:06d}",
@@ -168,8 +184,10 @@ class FlexMobaCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs):
         trainer_config = self._get(self.config_init, "trainer", default={})
-        if trainer_config.get("logger") in (None, True) and "logger" not in kwargs:
-            kwargs["logger"] = default_loggers(trainer_config.get("default_root_dir") or os.getcwd())
+        if "logger" not in kwargs:
+            kwargs["logger"] = trainer_loggers(trainer_config.get("logger"),
+                                               trainer_config.get("default_root_dir") or os.getcwd(),
+                                               self._get(self.config_init, "default_loggers", default=True))
         if not trainer_config.get("plugins") and "plugins" not in kwargs:
             kwargs["plugins"] = [AtomicCheckpointIO()]
         return super().instantiate_trainer(**kwargs)
@@ -192,7 +210,22 @@ class FlexMobaCLI(LightningCLI):
                           f"using {chosen.name}, the newest intact checkpoint in {folder}")
             config["ckpt_path"] = str(chosen)
 
-    before_fit = before_validate = before_test = before_predict = resolve_last_checkpoint
+    def check_data(self) -> None:
+        """A corpus that cannot work (no files, patterns matching nothing, files too short) is one
+        line naming the option, before anything is read or trained."""
+        check_files = getattr(self.datamodule, "check_files", None)
+        if check_files is None:
+            return
+        try:
+            check_files()
+        except CorpusError as error:
+            self.parser.error(f"--data.{error.option}: {error}")
+
+    def before_subcommand(self) -> None:
+        self.check_data()
+        self.resolve_last_checkpoint()
+
+    before_fit = before_validate = before_test = before_predict = before_subcommand
 
 
 def run_cli(args: list[str] | None = None) -> FlexMobaCLI:

@@ -1,6 +1,7 @@
 """The ``flexmoba`` CLI end to end, in subprocesses (Lightning DDP re-launches its own command)."""
 
 import csv
+import json
 import math
 import sys
 from pathlib import Path
@@ -109,3 +110,22 @@ def test_test_and_predict_subcommands(tmp_path, corpus_cache, flexmoba, metrics_
     assert {"test/loss", "test/ppl", "test/loss_trailing"} <= set(eval_metrics(tmp_path, "test/"))
     flexmoba("predict", *tiny_args("full.yaml", tmp_path, corpus_cache), "--ckpt_path", "last",
                  "--trainer.limit_predict_batches", "1", cwd=tmp_path)
+    (written,) = (tmp_path / "predictions").glob("predictions-rank0.jsonl")
+    records = [json.loads(line) for line in written.read_text().splitlines()]
+    assert len(records) == 4  # one batch of the tiny config's 4 sequences
+    assert all(0 < r["loss"] < math.log(256) + 1 and len(r["continuation_bytes"]) == 16 for r in records)
+
+
+@pytest.mark.slow
+def test_user_loggers_join_csv_and_tensorboard_unless_turned_off(tmp_path, corpus_cache, flexmoba):
+    mine = json.dumps({"class_path": "lightning.pytorch.loggers.CSVLogger",
+                       "init_args": {"save_dir": str(tmp_path / "mine"), "name": "stand_in_for_wandb"}})
+    both, alone = tmp_path / "both", tmp_path / "alone"
+    flexmoba("fit", *tiny_args("full.yaml", both, corpus_cache), "--trainer.max_steps", "2",
+             "--trainer.logger", mine, cwd=tmp_path)
+    assert list((both / "csv").glob("version_*/metrics.csv")) and list((both / "tb").glob("version_*/events*"))
+    assert list((tmp_path / "mine" / "stand_in_for_wandb").glob("version_*/metrics.csv"))
+    flexmoba("fit", *tiny_args("full.yaml", alone, corpus_cache), "--trainer.max_steps", "2",
+             "--trainer.logger", mine, "--default_loggers", "false", cwd=tmp_path)
+    assert not (alone / "csv").exists() and not (alone / "tb").exists()
+    assert len(list((tmp_path / "mine" / "stand_in_for_wandb").glob("version_*/metrics.csv"))) == 2
