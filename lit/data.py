@@ -4,8 +4,11 @@
   as ``*.txt``, matched against the end of the relative path, so at any depth); hidden
   folders, ``site-packages`` and ``__pycache__`` are skipped.
 - Tokens are raw bytes (vocabulary 256).
-- Train/val/test split by a hash of each file's relative path: stable across machines
-  and across ``max_files``/``max_bytes`` slices.
+- A document is one file, or with ``documents="packages"`` one package folder: every
+  matching file directly in that folder, concatenated in sorted path order (files at the
+  root stay documents of their own). ``min_document_bytes`` keeps long documents only.
+- Train/val/test split by a hash of each document's relative path (a file's, or a package
+  folder's): stable across machines and across ``max_files``/``max_bytes`` slices.
 - Training sequences are ``seq_len + 1`` tokens cut from one document (never across a
   document boundary), so "position t" really means "t tokens into a file"; a long document
   stays whole and gives many sequences.
@@ -41,6 +44,7 @@ PAD_TOKEN = 0  # input filler after a short document ends; its targets are IGNOR
 SPLITS = ("train", "val", "test")
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 DEFAULT_PATTERNS = ("*.py",)
+DOCUMENT_KINDS = ("files", "packages")
 
 
 def default_root() -> str:
@@ -83,6 +87,23 @@ def list_files(root: str, patterns: Sequence[str] = DEFAULT_PATTERNS) -> list[tu
 def list_python_files(corpus_dir: str) -> list[tuple[str, int]]:
     """Sorted ``(relative path, size in bytes)`` of the ``.py`` files under ``corpus_dir``."""
     return list_files(corpus_dir, DEFAULT_PATTERNS)
+
+
+def package_of(relative_path: str) -> str:
+    """The package folder of a file (``"email/mime/"``), or the file itself at the root."""
+    folder = PurePosixPath(relative_path).parent.as_posix()
+    return relative_path if folder == "." else folder + "/"
+
+
+def group_packages(files: list[tuple[str, int]]) -> tuple[list[tuple[str, int]], dict[str, list[str]]]:
+    """Package documents: sorted ``(package, total bytes)`` and ``package -> its files in sorted order``."""
+    members: dict[str, list[str]] = {}
+    sizes: dict[str, int] = {}
+    for rel, size in sorted(files):
+        package = package_of(rel)
+        members.setdefault(package, []).append(rel)
+        sizes[package] = sizes.get(package, 0) + size
+    return sorted(sizes.items()), members
 
 
 def path_hash(relative_path: str) -> float:
@@ -150,23 +171,34 @@ def corpus_fingerprint(selected: dict[str, list[tuple[str, int]]], *, python: st
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def source_key(root: str, selected: dict[str, list[tuple[str, int]]]) -> str:
+def member_files(document: str, members: dict[str, list[str]] | None) -> list[str]:
+    """The files of a document, in the order they are concatenated (a file is its own document)."""
+    return [document] if members is None else members[document]
+
+
+def source_key(root: str, selected: dict[str, list[tuple[str, int]]],
+               members: dict[str, list[str]] | None = None) -> str:
     """Hash of where the files are and when they last changed: the cache never serves one
     folder's bytes for another folder with the same names and sizes, or for edited files."""
     resolved = Path(root).resolve()
-    stamps = [(rel, (resolved / rel).stat().st_mtime_ns) for split in SPLITS for rel, _ in selected[split]]
+    stamps = [(rel, (resolved / rel).stat().st_mtime_ns) for split in SPLITS for doc, _ in selected[split]
+              for rel in member_files(doc, members)]
     payload = {"root": str(resolved), "mtimes": stamps}
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:8]
 
 
-def write_token_file(root: str, files: list[tuple[str, int]], path: Path) -> np.ndarray:
-    """Concatenate the files' bytes into ``path``, streaming; return document offsets ``[n_docs + 1]``."""
+def write_token_file(root: str, documents: list[tuple[str, int]], path: Path,
+                     members: dict[str, list[str]] | None = None) -> np.ndarray:
+    """Concatenate the documents' bytes into ``path``, streaming; return document offsets ``[n_docs + 1]``."""
     offsets = [0]
     with open(path, "wb") as out:
-        for rel, _ in files:
-            data = (Path(root) / rel).read_bytes()
-            out.write(data)
-            offsets.append(offsets[-1] + len(data))
+        for document, _ in documents:
+            n_bytes = 0
+            for rel in member_files(document, members):
+                data = (Path(root) / rel).read_bytes()
+                out.write(data)
+                n_bytes += len(data)
+            offsets.append(offsets[-1] + n_bytes)
     return np.asarray(offsets, dtype=np.int64)
 
 
@@ -194,11 +226,12 @@ class TokenCache:
     def exists(self) -> bool:
         return all(self.path(s).is_file() for s in (".bin", ".npy", ".json"))
 
-    def write(self, root: str, selected: dict[str, list[tuple[str, int]]], manifest: dict) -> None:
+    def write(self, root: str, selected: dict[str, list[tuple[str, int]]], manifest: dict,
+              members: dict[str, list[str]] | None = None) -> None:
         self.base.parent.mkdir(parents=True, exist_ok=True)
         tmp = {s: self.path(f".{os.getpid()}.tmp{s}") for s in (".bin", ".npy", ".json")}
         files = [f for split in SPLITS for f in selected[split]]
-        offsets = write_token_file(root, files, tmp[".bin"])
+        offsets = write_token_file(root, files, tmp[".bin"], members)
         np.save(tmp[".npy"], offsets)
         first_doc = np.cumsum([0] + [len(selected[split]) for split in SPLITS]).tolist()
         manifest = {**manifest, "documents": {s: first_doc[i : i + 2] for i, s in enumerate(SPLITS)},
@@ -330,7 +363,12 @@ class ByteFilesData(L.LightningDataModule):
             and ``docs/*.md`` the ``.md`` files of any ``docs`` folder. Default ``["*.py"]``.
         seq_len: tokens per training sequence (targets are shifted by one).
         batch_size: sequences per batch (per process under DDP).
-        val_fraction, test_fraction: share of files (by path hash) in val and test.
+        val_fraction, test_fraction: share of documents (by path hash) in val and test.
+        documents: ``"files"`` (a document is a file) or ``"packages"`` (a document is a
+            package folder's matching files concatenated in sorted order, split by the
+            folder's hash): repository-level documents, long enough for long contexts.
+        min_document_bytes: drop documents shorter than this (whole long documents only);
+            default: only those too short for one sequence (none with ``pad_short_docs``).
         pad_short_docs: keep documents (and document tails) shorter than ``seq_len + 1``,
             padded with ignored targets; otherwise they are dropped.
         max_files, max_bytes: slice the corpus for quick runs (bounds the train split;
@@ -356,10 +394,13 @@ class ByteFilesData(L.LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
         corpus_dir: str | None = None,
+        documents: str = "files",
+        min_document_bytes: int | None = None,
     ):
         super().__init__()
         check_arguments(seq_len=seq_len, batch_size=batch_size, max_files=max_files, max_bytes=max_bytes,
                         val_fraction=val_fraction, test_fraction=test_fraction)
+        check_documents(documents, min_document_bytes)
         self.save_hyperparameters()
         self.root = resolve_root(root, corpus_dir)
         self.patterns = resolve_patterns(patterns)
@@ -373,6 +414,9 @@ class ByteFilesData(L.LightningDataModule):
         self.cache_dir = cache_dir or default_cache_dir()
         self.num_workers = num_workers
         self.seed = seed
+        self.documents = documents
+        self.min_document_bytes = min_document_bytes
+        self.members: dict[str, list[str]] | None = None  # package -> files, with documents="packages"
         self.fingerprint: str | None = None
         self.datasets: dict[str, ByteSequences] = {}
         self._resume: dict | None = None
@@ -404,9 +448,21 @@ class ByteFilesData(L.LightningDataModule):
         it before anything is built."""
         self._selected_files()
 
-    def _selected_files(self) -> dict[str, list[tuple[str, int]]]:
+    def _documents(self) -> list[tuple[str, int]]:
+        """``(name, bytes)`` of every document: the matching files, or their package folders."""
         files = self._matching_files()
-        min_doc_bytes = 2 if self.pad_short_docs else self.seq_len + 1
+        if self.documents == "files":
+            return files
+        documents, self.members = group_packages(files)
+        return documents
+
+    def _min_document_bytes(self) -> int:
+        fits_one_sequence = 2 if self.pad_short_docs else self.seq_len + 1
+        return max(fits_one_sequence, self.min_document_bytes or 0)
+
+    def _selected_files(self) -> dict[str, list[tuple[str, int]]]:
+        files = self._documents()
+        min_doc_bytes = self._min_document_bytes()
         n_short = sum(size < min_doc_bytes for _, size in files)
         if n_short == len(files):
             raise CorpusError(
@@ -436,13 +492,17 @@ class ByteFilesData(L.LightningDataModule):
     def _cache(self) -> tuple[TokenCache, dict[str, list[tuple[str, int]]]]:
         selected = self._selected_files()
         self.fingerprint = self._fingerprint(selected)
-        stem = f"bytes-{self.fingerprint}-{source_key(self.root, selected)}"
+        stem = f"bytes-{self.fingerprint}-{source_key(self.root, selected, self.members)}"
         return TokenCache(self.cache_dir, stem), selected
 
     def _fingerprint(self, selected: dict[str, list[tuple[str, int]]]) -> str:
         """Python sources (the default patterns) as before: with the Python version, which changes the
         stdlib, so checkpoints of earlier runs still resume; other files: with their patterns instead."""
         options = {"val_fraction": self.val_fraction, "test_fraction": self.test_fraction}
+        if self.min_document_bytes is not None:
+            options["min_document_bytes"] = self.min_document_bytes
+        if self.documents != "files":
+            options["packages"] = self.members
         if sorted(self.patterns) == sorted(DEFAULT_PATTERNS):
             return corpus_fingerprint(selected, python=sys.version, **options)
         return corpus_fingerprint(selected, patterns=sorted(self.patterns), **options)
@@ -456,8 +516,8 @@ class ByteFilesData(L.LightningDataModule):
         if not cache.exists():
             manifest = {"fingerprint": self.fingerprint, "root": str(Path(self.root).resolve()),
                         "patterns": self.patterns, "python": sys.version,
-                        "files": {s: len(selected[s]) for s in SPLITS}}
-            cache.write(self.root, selected, manifest)
+                        "documents_kind": self.documents, "files": {s: len(selected[s]) for s in SPLITS}}
+            cache.write(self.root, selected, manifest, self.members)
         return cache.read()
 
     def setup(self, stage: str | None = None) -> None:
@@ -533,6 +593,21 @@ def check_arguments(*, seq_len, batch_size, max_files, max_bytes, val_fraction, 
             f"val_fraction ({val_fraction}) must be in (0, 1), test_fraction ({test_fraction}) in [0, 1), "
             "and their sum below 1"
         )
+
+
+def check_documents(documents: str, min_document_bytes: int | None) -> None:
+    """ValueError naming ``documents`` or ``min_document_bytes``."""
+    if documents not in DOCUMENT_KINDS:
+        raise ValueError(f"documents must be one of {DOCUMENT_KINDS}, got {documents!r}")
+    if min_document_bytes is not None and (not isinstance(min_document_bytes, int) or min_document_bytes <= 0):
+        raise ValueError(f"min_document_bytes must be a positive int or None, got {min_document_bytes!r}")
+
+
+def document_counts(data: ByteFilesData) -> dict[str, dict[str, int]]:
+    """Per split, the documents kept and their bytes (reads no file): what a long-context run trains
+    and validates on."""
+    return {split: {"documents": len(docs), "bytes": sum(size for _, size in docs)}
+            for split, docs in data._selected_files().items()}
 
 
 def resolve_root(root: str | None, corpus_dir: str | None) -> str:

@@ -24,6 +24,7 @@ from lit.data import (
     default_corpus_dir,
     list_files,
     list_python_files,
+    package_of,
     split_of,
 )
 
@@ -183,6 +184,64 @@ def test_text_files_long_documents_stay_whole(tmp_path):
     assert data.datasets["train"][0][0].tolist() == data.datasets["train"][1][0].tolist()  # one file's bytes
 
 
+def package_corpus(tmp_path):
+    """Packages of files whose every byte names the file; sorted names: a.py < b.py < c.py."""
+    root = tmp_path / "packages"
+    files = {"top.py": 40}
+    for i in range(24):
+        package = f"pkg{i:02d}"
+        files.update({f"{package}/c.py": 10, f"{package}/a.py": 20, f"{package}/b.py": 30, f"{package}/sub/d.py": 5})
+    write_corpus(root, files)
+    return root
+
+
+def test_packages_are_their_files_concatenated_in_sorted_order(tmp_path):
+    root = package_corpus(tmp_path)
+    data = make_data(root, tmp_path, documents="packages", seq_len=8, val_fraction=0.25, test_fraction=0.0)
+    tokens, offsets = data._load_or_build()["train"]
+    names = [name for name, _ in data._selected_files()["train"]]
+    assert "pkg00/sub/" not in names and "top.py" in names  # 5 bytes: too short; a root file is its own document
+    for name, begin, end in zip(names, offsets[:-1], offsets[1:], strict=True):
+        document = bytes(tokens[begin:end])
+        if name != "top.py":
+            assert [len(run) for run in split_runs(document)] == [20, 30, 10], name  # a.py, b.py, c.py
+            files = sorted((root / name).glob("*.py"))
+            assert document == b"".join(f.read_bytes() for f in files)
+
+
+def split_runs(data: bytes) -> list[bytes]:
+    """Maximal runs of one repeated byte."""
+    runs, start = [], 0
+    for i in range(1, len(data) + 1):
+        if i == len(data) or data[i] != data[start]:
+            runs.append(data[start:i])
+            start = i
+    return runs
+
+
+def test_packages_split_by_the_package_folder_hash(tmp_path):
+    root = package_corpus(tmp_path)
+    data = make_data(root, tmp_path, documents="packages", seq_len=8, val_fraction=0.25, test_fraction=0.0)
+    selected = data._selected_files()
+    assert selected["val"] and selected["train"]
+    for split, documents in selected.items():
+        for name, size in documents:
+            assert split_of(name, 0.25, 0.0) == split
+            assert size == (60 if name.startswith("pkg") else 40)
+    assert package_of("email/mime/text.py") == "email/mime/" and package_of("os.py") == "os.py"
+
+
+def test_min_document_bytes_keeps_long_documents_whole(tmp_path):
+    root = tmp_path / "text"
+    sizes = {f"doc{i:02d}.txt": 100 + 50 * (i % 4) for i in range(40)}  # 100, 150, 200, 250 bytes
+    write_corpus(root, sizes)
+    data = make_data(root, tmp_path, patterns=["*.txt"], seq_len=16, min_document_bytes=200)
+    kept = {name for split in ("train", "val", "test") for name, _ in data._selected_files()[split]}
+    assert kept == {name for name, size in sizes.items() if size >= 200}
+    for split in ("train", "val"):
+        assert all(int(length) == 17 for length in data.datasets[split].lengths)  # every sequence reaches seq_len
+
+
 def test_older_names_still_work(corpus, tmp_path):
     assert PythonSourceData is ByteFilesData
     data = PythonSourceData(corpus_dir=str(corpus), seq_len=16, val_fraction=0.2, cache_dir=str(tmp_path / "c"))
@@ -252,6 +311,7 @@ def test_bad_patterns_name_the_parameter(patterns):
 
 @pytest.mark.parametrize("kwargs, name", [
     ({"seq_len": 0}, "seq_len"), ({"max_files": -1}, "max_files"), ({"val_fraction": 0.0}, "val_fraction"),
+    ({"documents": "repos"}, "documents"), ({"min_document_bytes": 0}, "min_document_bytes"),
 ])
 def test_bad_arguments_name_the_parameter(kwargs, name):
     with pytest.raises(ValueError, match=name):
