@@ -3,12 +3,14 @@
     python -m lit.sweep configs/sweep/toy.yaml            # run (or resume) the sweep, then report
     python -m lit.sweep configs/sweep/toy.yaml --report-only
 
-Every (model size, attention type) pair is an ordinary ``flexmoba fit`` run in its own
-folder ``<out_dir>/<size>-<attention>/``, trained on ``tokens_per_parameter`` tokens per
+Every (model size, attention type[, seed]) is an ordinary ``flexmoba fit`` run in its own
+folder ``<out_dir>/<size>-<attention>/`` (``<size>-<attention>-seed<n>/`` when the sweep
+lists ``seeds``), trained on ``tokens_per_parameter`` tokens per
 non-embedding parameter (a Chinchilla-style rule), then validated once. A finished run
 leaves ``result.json`` and is skipped on re-run; an interrupted one resumes from its
 ``checkpoints/last.ckpt``. The report (:mod:`lit.scaling_report`) fits ``L = a · C^b`` per
-attention type and position window.
+attention type and position window. ``--plan`` lists the runs with their steps, compute
+and, given the ``step_seconds`` measured on this machine, the estimated wall time.
 
 Under ``torchrun`` (one process per device, on one node or many) every run is one DDP job
 over all processes:
@@ -36,6 +38,8 @@ import yaml
 from flexmoba.model import ModelConfig
 from lit.scaling_law import pflops_days
 
+RUN_OVERHEAD_SECONDS = 15.0  # starting Lightning, mapping the corpus, writing checkpoints: per run, in --plan
+
 
 @dataclass
 class ModelSize:
@@ -47,6 +51,38 @@ class ModelSize:
 
 
 @dataclass
+class AttentionKind:
+    """One attention type of a sweep: ModelConfig fields, plus where and how it is trained.
+
+    Attributes:
+        name: the type's name in run folders, e.g. ``moba``.
+        model: ModelConfig fields, e.g. ``{attention: moba, moba_chunk_size: 512, moba_top_k: 3}``.
+        sizes: the model sizes trained with it; default: all.
+        switch_to_full_at: train with ``model`` for this fraction of the steps, then with full
+            attention in every layer (:class:`lit.callbacks.AttentionPhaseSwitch`); default: never.
+    """
+
+    name: str
+    model: dict
+    sizes: list[str] | None = None
+    switch_to_full_at: float | None = None
+
+    RUN_KEYS = ("sizes", "switch_to_full_at")
+
+    @classmethod
+    def parse(cls, name: str, entry: dict) -> AttentionKind:
+        model = {k: v for k, v in entry.items() if k not in cls.RUN_KEYS}
+        return cls(name, model, entry.get("sizes"), entry.get("switch_to_full_at"))
+
+    def trains(self, size: ModelSize) -> bool:
+        return self.sizes is None or size.name in self.sizes
+
+    def full_share(self) -> float:
+        """Share of the steps trained with full attention in every layer."""
+        return 0.0 if self.switch_to_full_at is None else 1.0 - self.switch_to_full_at
+
+
+@dataclass
 class SweepSpec:
     """A sweep, as read from YAML (every key below; unknown keys are an error).
 
@@ -54,7 +90,12 @@ class SweepSpec:
         out_dir: folder of the sweep; one sub-folder per run.
         sizes: model sizes (at least 2 for a fit; the paper's figures use 5).
         attention: name -> ModelConfig fields of that attention type, e.g.
-            ``{moba: {attention: moba, moba_chunk_size: 256, moba_top_k: 3}, full: {attention: full}}``.
+            ``{moba: {attention: moba, moba_chunk_size: 256, moba_top_k: 3}, full: {attention: full}}``;
+            an entry may also restrict itself to some sizes and switch to full attention late
+            (see :class:`AttentionKind`), e.g. ``hybrid: {attention: moba, ..., sizes: [s3, s4],
+            switch_to_full_at: 0.9}``.
+        seeds: seeds of every (size, attention) pair, each its own run (model initialisation and
+            data order); default: one run, seeded by the base config, named without a seed.
         seq_len, batch_size: training sequences.
         tokens_per_parameter: training tokens per non-embedding parameter.
         min_steps: floor on the optimizer steps of the smallest runs.
@@ -63,6 +104,12 @@ class SweepSpec:
         limit_val_batches: validation batches of the final evaluation.
         base_config: the Lightning CLI YAML every run starts from.
         cli_args: extra CLI arguments for every run (e.g. ``--trainer.accelerator gpu``).
+        gate_diagnostics: run names (e.g. ``s4-moba-seed0``) trained with
+            :class:`lit.diagnostics.GateDiagnostics` (its figure goes into the report).
+        report_dir: a folder the report is copied into besides ``out_dir`` (e.g. under docs/).
+        step_seconds: measured seconds of one training step, per ModelConfig ``attention``
+            (``moba``, ``full``), as ``[[non-embedding parameters, seconds], ...]`` at this
+            sweep's ``seq_len`` and ``batch_size``; ``--plan`` interpolates them (log-log).
     """
 
     out_dir: str
@@ -79,6 +126,10 @@ class SweepSpec:
     limit_val_batches: int = 16
     base_config: str = "configs/moba.yaml"
     cli_args: list[str] = field(default_factory=list)
+    seeds: list[int] | None = None
+    gate_diagnostics: list[str] = field(default_factory=list)
+    report_dir: str | None = None
+    step_seconds: dict[str, list[list[float]]] = field(default_factory=dict)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> SweepSpec:
@@ -95,12 +146,32 @@ class SweepSpec:
         if not raw.get("attention"):
             raise ValueError(f"sweep config {path}: 'attention' must name at least one attention type")
         spec = cls(sizes=[ModelSize(**s) for s in sizes], **raw)
-        for run in spec.runs():
-            run.model_config()  # validates every size x attention combination up front
+        spec.check(path)
         return spec
 
+    def check(self, path: str | Path) -> None:
+        """ValueError naming the key, for settings that name sizes or runs that do not exist."""
+        size_names = {s.name for s in self.sizes}
+        for kind in self.attention_kinds():
+            unknown = set(kind.sizes or ()) - size_names
+            if unknown:
+                raise ValueError(f"sweep config {path}: attention {kind.name!r} names unknown sizes {sorted(unknown)}")
+            if kind.switch_to_full_at is not None and not 0 <= kind.switch_to_full_at <= 1:
+                raise ValueError(f"sweep config {path}: attention {kind.name!r}: switch_to_full_at must be in [0, 1]")
+        run_names = {run.name for run in self.runs()}
+        unknown = set(self.gate_diagnostics) - run_names
+        if unknown:
+            raise ValueError(f"sweep config {path}: gate_diagnostics names unknown runs {sorted(unknown)}")
+        for run in self.runs():
+            run.model_config()  # validates every size x attention combination up front
+
+    def attention_kinds(self) -> list[AttentionKind]:
+        return [AttentionKind.parse(name, entry) for name, entry in self.attention.items()]
+
     def runs(self) -> list[Run]:
-        return [Run(self, size, name) for size in self.sizes for name in self.attention]
+        seeds = self.seeds or [None]
+        return [Run(self, size, kind.name, seed) for size in self.sizes for kind in self.attention_kinds()
+                if kind.trains(size) for seed in seeds]
 
 
 @dataclass
@@ -108,10 +179,16 @@ class Run:
     spec: SweepSpec
     size: ModelSize
     attention_name: str
+    seed: int | None = None
 
     @property
     def name(self) -> str:
-        return f"{self.size.name}-{self.attention_name}"
+        base = f"{self.size.name}-{self.attention_name}"
+        return base if self.seed is None else f"{base}-seed{self.seed}"
+
+    @property
+    def kind(self) -> AttentionKind:
+        return AttentionKind.parse(self.attention_name, self.spec.attention[self.attention_name])
 
     @property
     def folder(self) -> Path:
@@ -119,7 +196,7 @@ class Run:
 
     def model_config(self) -> ModelConfig:
         size = {k: v for k, v in asdict(self.size).items() if k != "name"}  # n_kv_heads None: one per head
-        return ModelConfig(**{**size, **self.spec.attention[self.attention_name]})
+        return ModelConfig(**{**size, **self.kind.model})
 
     def steps(self) -> int:
         """Optimizer steps for ``tokens_per_parameter`` tokens per non-embedding parameter."""
@@ -131,8 +208,9 @@ class Run:
         spec, steps = self.spec, self.steps()
         config = self.model_config()
         model_args = []
-        for key in ("n_layers", "d_model", "n_heads", "n_kv_heads", *spec.attention[self.attention_name]):
+        for key in ("n_layers", "d_model", "n_heads", "n_kv_heads", *self.kind.model):
             model_args += [f"--model.config.{key}", str(getattr(config, key))]
+        seed_args = [] if self.seed is None else ["--seed_everything", str(self.seed), "--data.seed", str(self.seed)]
         return [
             "--config", spec.base_config,
             "--trainer.default_root_dir", str(self.folder),
@@ -147,20 +225,62 @@ class Run:
             "--model.position_window", str(spec.position_window),
             "--model.trailing_window", str(spec.trailing_window),
             *model_args,
+            *seed_args,
+            *self.callback_args(),
             *spec.cli_args,
         ]
 
+    def callback_args(self) -> list[str]:
+        """The phase switch of a hybrid, and gate diagnostics where the sweep asks for them."""
+        callbacks = []
+        if self.kind.switch_to_full_at is not None:
+            callbacks.append({"class_path": "lit.callbacks.AttentionPhaseSwitch",
+                              "init_args": {"switch_to_full_at": self.kind.switch_to_full_at}})
+        if self.name in self.spec.gate_diagnostics:
+            callbacks.append({"class_path": "lit.diagnostics.GateDiagnostics", "init_args": {"max_sequences": 1}})
+        return [f"--trainer.callbacks+={json.dumps(callback)}" for callback in callbacks]
+
     def compute(self) -> dict:
-        """Training compute in PFLOP/s-days: the paper's 6·N·D, and with attention included."""
+        """Training compute in PFLOP/s-days: the paper's 6·N·D, and with attention included (a
+        hybrid's full-attention steps at full attention's cost)."""
         config = self.model_config()
         tokens = self.steps() * self.spec.batch_size * self.spec.seq_len
         n = config.num_parameters(non_embedding=True)
+        full_share = self.kind.full_share()
+        per_token = ((1 - full_share) * config.flops_per_token(self.spec.seq_len)
+                     + full_share * config.flops_per_token(self.spec.seq_len, ["full"] * config.n_layers))
         return {
             "params_non_embedding": n,
             "tokens": tokens,
             "compute_6nd": pflops_days(6 * n * tokens),
-            "compute_total": pflops_days(config.flops_per_token(self.spec.seq_len) * tokens),
+            "compute_total": pflops_days(per_token * tokens),
         }
+
+    def estimated_seconds(self) -> float | None:
+        """Wall time from the sweep's measured ``step_seconds``: the training steps (a hybrid's last
+        ones at full attention's speed) and the final validation (after a hybrid's switch: at full
+        attention's speed), each batch a forward, a third of a step."""
+        base = self.model_config().attention
+        n = self.model_config().num_parameters(non_embedding=True)
+        if base not in self.spec.step_seconds or (self.kind.full_share() and "full" not in self.spec.step_seconds):
+            return None
+        step = val_step = interpolate_log_log(self.spec.step_seconds[base], n)
+        if self.kind.full_share():
+            val_step = interpolate_log_log(self.spec.step_seconds["full"], n)
+            step = (1 - self.kind.full_share()) * step + self.kind.full_share() * val_step
+        return RUN_OVERHEAD_SECONDS + self.steps() * step + self.spec.limit_val_batches * val_step / 3
+
+
+def interpolate_log_log(points: list[list[float]], x: float) -> float:
+    """``y(x)`` through measured ``[[x, y], ...]``, piecewise linear in log-log, extended by the end slopes."""
+    points = sorted(points)
+    if len(points) == 1:
+        return points[0][1] * x / points[0][0]  # one point: proportional
+    logs = [(math.log(px), math.log(py)) for px, py in points]
+    lx = math.log(x)
+    i = next((i for i in range(1, len(logs) - 1) if lx < logs[i][0]), len(logs) - 1)
+    (x0, y0), (x1, y1) = logs[i - 1], logs[i]
+    return math.exp(y0 + (y1 - y0) * (lx - x0) / (x1 - x0))
 
 
 @dataclass(frozen=True)
@@ -237,11 +357,14 @@ def execute(run: Run, resume: bool, processes: Processes = Processes()) -> dict:
     resume_args = ["--ckpt_path", str(run.folder / "checkpoints" / "last.ckpt")] if resume else []
     started = time.time()
     cli = run_cli(["fit", *run.cli_args(), *processes.launch_args(run.spec), *resume_args])
-    metrics = cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)[0]
+    metrics = final_validation(cli)
     result = {
         "run": run.name,
         "size": run.size.name,
         "attention": run.attention_name,
+        "seed": run.seed,
+        "seq_len": run.spec.seq_len,
+        "switch_to_full_at": run.kind.switch_to_full_at,
         "steps": run.steps(),
         "seconds": time.time() - started,
         "resumed": resume,
@@ -253,6 +376,15 @@ def execute(run: Run, resume: bool, processes: Processes = Processes()) -> dict:
         (run.folder / "result.json").write_text(json.dumps(result, indent=2))
     processes.barrier()
     return result
+
+
+def final_validation(cli) -> dict:
+    """The metrics of the validation that ended the fit (at its last step), or of a new one when
+    this fit did not validate (resumed from a checkpoint of the last step): one validation, not two."""
+    trainer = cli.trainer
+    if "val/loss" in trainer.callback_metrics:
+        return {k: v for k, v in trainer.callback_metrics.items() if not k.startswith("train/")}
+    return trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)[0]
 
 
 PLAN_WORDS = {"start": "starting", "resume": "resuming"}
@@ -293,6 +425,23 @@ def run_sweep(spec: SweepSpec, processes: Processes = Processes()) -> list[dict]
     return results
 
 
+def print_plan(spec: SweepSpec) -> float | None:
+    """Print every run's steps, parameters, tokens, compute and estimated minutes; return the total minutes."""
+    total = 0.0
+    for run in spec.runs():
+        c, seconds = run.compute(), run.estimated_seconds()
+        estimate = "" if seconds is None else f", ~{seconds / 60:.1f} min"
+        print(f"{run.name}: {run.steps()} steps, N={c['params_non_embedding']}, D={c['tokens']} "
+              f"({c['tokens'] / c['params_non_embedding']:.1f} tokens/param), C={c['compute_6nd']:.3g} PFLOP/s-days "
+              f"(6ND), {c['compute_total']:.3g} (spent){estimate}")
+        total = None if seconds is None or total is None else total + seconds
+    if total is None:
+        print("estimated total: unknown (give step_seconds for every attention the runs use)")
+        return None
+    print(f"estimated total: {total / 60:.0f} min for {len(spec.runs())} runs")
+    return total / 60
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="MoBA vs full attention scaling-law sweep")
     parser.add_argument("config", type=Path, help="sweep YAML, e.g. configs/sweep/toy.yaml")
@@ -302,10 +451,7 @@ def main(argv: list[str] | None = None) -> None:
 
     spec = SweepSpec.from_yaml(args.config)
     if args.plan:
-        for run in spec.runs():
-            c = run.compute()
-            print(f"{run.name}: {run.steps()} steps, N={c['params_non_embedding']}, D={c['tokens']}, "
-                  f"C={c['compute_6nd']:.3g} PFLOP/s-days (6ND)")
+        print_plan(spec)
         return
     processes = Processes.from_env()
     if not args.report_only:
@@ -314,7 +460,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     from lit.scaling_report import write_report
 
-    report = write_report(Path(spec.out_dir))
+    report = write_report(Path(spec.out_dir), report_dir=spec.report_dir)
     print(f"report: {report}")
 
 

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from lit.scaling_report import write_report
-from lit.sweep import ModelSize, Processes, SweepSpec
+from lit.sweep import ModelSize, Processes, SweepSpec, interpolate_log_log, print_plan
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,11 +57,77 @@ def test_sweep_config_errors_name_the_key(tmp_path):
         SweepSpec.from_yaml(path)
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "configs" / "sweep").glob("*.yaml")), ids=lambda p: p.name)
+SHIPPED = sorted(p for p in (REPO / "configs" / "sweep").glob("*.yaml") if "tiny" not in p.name)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_shipped_sweep_configs_parse(path):
     spec = SweepSpec.from_yaml(path)
-    assert len(spec.sizes) >= 4 and len(spec.runs()) == len(spec.sizes) * len(spec.attention)
-    assert all(run.steps() >= spec.min_steps for run in spec.runs())
+    assert len(spec.sizes) >= 4 and all(run.steps() >= spec.min_steps for run in spec.runs())
+    for kind in spec.attention_kinds():
+        sizes = [s for s in spec.sizes if kind.sizes is None or s.name in kind.sizes]
+        assert len([r for r in spec.runs() if r.attention_name == kind.name]) == len(sizes) * len(spec.seeds or [0])
+
+
+def long32k_spec() -> SweepSpec:
+    return SweepSpec.from_yaml(REPO / "configs" / "sweep" / "long32k.yaml")
+
+
+def test_long32k_is_the_papers_setting_within_two_hours(capsys):
+    spec = long32k_spec()
+    params = [run.compute()["params_non_embedding"] for run in spec.runs() if run.attention_name == "full"]
+    assert spec.seq_len == 32768 and len(spec.sizes) >= 4 and max(params) >= 8 * min(params)
+    assert spec.attention["moba"]["moba_chunk_size"] == 512 and spec.attention["moba"]["moba_top_k"] == 3
+    assert len(spec.seeds) >= 2 and spec.position_window == spec.trailing_window == 2048
+    minutes = print_plan(spec)
+    assert minutes is not None and minutes <= 100
+    assert f"estimated total: {minutes:.0f} min for {len(spec.runs())} runs" in capsys.readouterr().out
+
+
+def test_seeds_hybrid_sizes_and_callbacks_make_the_runs():
+    spec = long32k_spec()
+    names = [run.name for run in spec.runs()]
+    assert "s1-moba-seed0" in names and "s1-full-seed1" in names and "s4-hybrid-seed1" in names
+    assert not any(name.startswith(("s1-hybrid", "s2-hybrid")) for name in names)  # the two largest sizes only
+    runs = {run.name: run for run in spec.runs()}
+    args = runs["s3-hybrid-seed1"].cli_args()
+    assert args[args.index("--seed_everything") + 1] == "1" and args[args.index("--data.seed") + 1] == "1"
+    switch = [a for a in args if "AttentionPhaseSwitch" in a]
+    assert len(switch) == 1 and '"switch_to_full_at": 0.9' in switch[0]
+    assert any("GateDiagnostics" in a for a in runs["s4-moba-seed0"].cli_args())
+    assert not any("GateDiagnostics" in a or "PhaseSwitch" in a for a in runs["s4-moba-seed1"].cli_args())
+    assert "--model.config.sizes" not in args  # run settings are not model fields
+    moba, hybrid, full = (runs[f"s4-{a}-seed0"].compute()["compute_total"] for a in ("moba", "hybrid", "full"))
+    assert hybrid == pytest.approx(0.9 * moba + 0.1 * full)
+    assert runs["s4-moba-seed0"].compute()["compute_6nd"] == runs["s4-full-seed0"].compute()["compute_6nd"]
+
+
+def test_no_seeds_keeps_the_old_run_names():
+    spec = SweepSpec.from_yaml(REPO / "configs" / "sweep" / "toy.yaml")
+    assert [run.name for run in spec.runs()][:2] == ["s1-moba", "s1-full"]
+    assert "--seed_everything" not in spec.runs()[0].cli_args()
+
+
+def test_step_time_interpolation_is_log_log():
+    points = [[100, 1.0], [400, 4.0], [1600, 8.0]]
+    assert interpolate_log_log(points, 200) == pytest.approx(2.0)  # slope 1 between 100 and 400
+    assert interpolate_log_log(points, 800) == pytest.approx(8.0 / 2**0.5)  # slope 1/2 above 400
+    assert interpolate_log_log(points, 3200) == pytest.approx(8.0 * 2**0.5)  # the last slope, extended
+    assert interpolate_log_log(points, 50) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"attention": {"h": {"attention": "moba", "sizes": ["nope"]}}}, "unknown sizes"),
+    ({"attention": {"h": {"attention": "moba", "switch_to_full_at": 1.5}}}, "switch_to_full_at"),
+    ({"gate_diagnostics": ["a-moba-seed7"]}, "gate_diagnostics"),
+])
+def test_run_settings_name_what_exists(tmp_path, change, message):
+    raw = {"out_dir": "x", "sizes": [{"name": "a", "n_layers": 1, "d_model": 16, "n_heads": 2}],
+           "attention": {"moba": {"attention": "moba"}}, "seeds": [0], **change}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ValueError, match=message):
+        SweepSpec.from_yaml(path)
 
 
 def test_processes_come_from_torchrun_and_srun_tasks_are_refused(monkeypatch):
