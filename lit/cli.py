@@ -23,8 +23,10 @@ import os
 import re
 import sys
 import warnings
+from pathlib import Path
 
 import lightning as L
+import torch
 from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -32,6 +34,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from flexmoba import validation
 from flexmoba.model import ModelConfig
+from lit.checkpoint import checkpoint_config
 from lit.data import CorpusError, PythonSourceData
 from lit.guards import (
     AtomicCheckpointIO,
@@ -150,6 +153,23 @@ def config_problem(config: Namespace) -> str | None:
     return None
 
 
+# What the weights' shapes depend on: a checkpoint loads into a model only if these agree.
+WEIGHT_SHAPE_FIELDS = ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "mlp_hidden", "tie_embeddings")
+
+
+def model_mismatch(path: str, config: ModelConfig) -> str | None:
+    """How the model saved in ``path`` differs in shape from ``config``, or None."""
+    saved = checkpoint_config(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+    differ = [f"{name} {getattr(saved, name)} != {getattr(config, name)}" for name in WEIGHT_SHAPE_FIELDS
+              if getattr(saved, name) != getattr(config, name)]
+    return ", ".join(differ) or None
+
+
+@rank_zero_only
+def say(message: str) -> None:
+    sys.stderr.write(f"flexmoba: {message}\n")
+
+
 @rank_zero_only
 def warn_once(message: str) -> None:
     """Shown even when Python warnings are silenced (a resume from an older checkpoint must be seen)."""
@@ -221,9 +241,29 @@ class FlexMobaCLI(LightningCLI):
         except CorpusError as error:
             self.parser.error(f"--data.{error.option}: {error}")
 
+    def check_run_folder(self) -> None:
+        """One run folder holds one model: a fresh fit into a folder with checkpoints is refused,
+        and a checkpoint of another shape is refused before Lightning's size-mismatch traceback."""
+        config = self.config_init[self.subcommand]
+        ckpt_path, callback = config.get("ckpt_path"), self.trainer.checkpoint_callback
+        folder = Path(callback.dirpath) if callback is not None and callback.dirpath else None
+        if self.subcommand == "fit" and ckpt_path is None and folder is not None and list(folder.glob("*.ckpt")):
+            root = self.trainer.default_root_dir
+            self.parser.error(f"--trainer.default_root_dir: {root} already holds a run's checkpoints "
+                              f"({', '.join(sorted(p.name for p in folder.glob('*.ckpt')))}); resume it with "
+                              "--ckpt_path last, or give another --trainer.default_root_dir")
+        if ckpt_path is None or not os.path.isfile(ckpt_path) or not isinstance(self.model, LitLM):
+            return
+        mismatch = model_mismatch(ckpt_path, self.model.config)
+        if mismatch:
+            self.parser.error(f"--ckpt_path: {ckpt_path} holds another model ({mismatch}); "
+                              "pass the config it was trained with, or another --trainer.default_root_dir")
+        say(f"loading {ckpt_path}")
+
     def before_subcommand(self) -> None:
         self.check_data()
         self.resolve_last_checkpoint()
+        self.check_run_folder()
 
     before_fit = before_validate = before_test = before_predict = before_subcommand
 

@@ -3,6 +3,7 @@
 import csv
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -129,3 +130,24 @@ def test_user_loggers_join_csv_and_tensorboard_unless_turned_off(tmp_path, corpu
              "--trainer.logger", mine, "--default_loggers", "false", cwd=tmp_path)
     assert not (alone / "csv").exists() and not (alone / "tb").exists()
     assert len(list((tmp_path / "mine" / "stand_in_for_wandb").glob("version_*/metrics.csv"))) == 2
+
+
+@pytest.mark.slow
+def test_one_run_folder_holds_one_model(tmp_path, corpus_cache, flexmoba):
+    """A second fresh fit into a folder with checkpoints, and a checkpoint of another shape, are
+    one-line errors (exit 2) instead of a last-v1.ckpt or a size-mismatch traceback."""
+    flexmoba("fit", *tiny_args("moba.yaml", tmp_path, corpus_cache), "--trainer.max_steps", "3", cwd=tmp_path)
+
+    def refused(*args):
+        proc = subprocess.run([sys.executable, "-m", "lit.commands", *args], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("flexmoba: error:")]
+        assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr
+        return errors[0]
+
+    assert "already holds a run's checkpoints" in refused("fit", *tiny_args("full.yaml", tmp_path, corpus_cache))
+    other_shape = refused("validate", "--config", str(CONFIGS / "moba.yaml"), "--trainer.default_root_dir",
+                          str(tmp_path), "--data.cache_dir", str(corpus_cache), "--ckpt_path", "last")
+    assert "holds another model" in other_shape and "d_model 32 != 128" in other_shape
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*.ckpt")) == ["last.ckpt", "step000003.ckpt"]
