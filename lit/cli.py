@@ -19,6 +19,9 @@ TensorBoard. ``predict`` writes ``<root>/predictions/predictions-rank<R>.jsonl``
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import inspect
 import os
 import re
 import sys
@@ -98,14 +101,29 @@ def one_line_error(message: str) -> str:
     return f"--{'.'.join(keys)}: {rule}"
 
 
+def with_suggestion(message: str, options: list[str]) -> str:
+    """``message`` plus the nearest valid option for a mistyped one."""
+    unknown = re.search(r"unrecognized arguments: (--\S+)", message)
+    rejected = re.match(r"(--[\w.]+): Option '(\w+)' is not accepted", message)
+    typo = unknown[1] if unknown else f"{rejected[1]}.{rejected[2]}" if rejected else None
+    close = difflib.get_close_matches(typo, options, n=1) if typo else []
+    return f"{message}; did you mean {close[0]}?" if close else message
+
+
 class OneLineErrorParser(LightningArgumentParser):
     """Errors are one line on stderr, ``flexmoba: error: --option: rule``, and exit code 2."""
 
     def error(self, message: str, ex: Exception | None = None):
         if not self.exit_on_error:
             super().error(message, ex)
-        sys.stderr.write(f"flexmoba: error: {one_line_error(message)}\n")
+        sys.stderr.write(f"flexmoba: error: {with_suggestion(one_line_error(message), self.option_names())}\n")
         self.exit(2)
+
+    def option_names(self) -> list[str]:
+        """Every option this parser takes, the model config's and the default data module's included."""
+        names = [name for name in self._option_string_actions if name.startswith("--")]
+        data = [f"--data.{name}" for name in inspect.signature(PythonSourceData).parameters]
+        return names + [f"--model.config.{f.name}" for f in dataclasses.fields(ModelConfig)] + data
 
 
 def model_config_problem(fields: dict) -> str | None:

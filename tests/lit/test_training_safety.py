@@ -79,6 +79,20 @@ def test_bad_value_is_one_line_naming_the_option_and_exit_2(option, value, rule,
     assert not root.exists()  # refused at parse time: no trainer, logger, data or model
 
 
+TYPOS = [("--trainr.max_steps", "--trainer.max_steps"), ("--model.lrr", "--model.lr"),
+         ("--model.config.moba_top", "--model.config.moba_top_k"), ("--data.seq_lenn", "--data.seq_len")]
+
+
+@pytest.mark.parametrize(("typo", "meant"), TYPOS)
+def test_a_mistyped_option_suggests_the_nearest_one(typo, meant, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["flexmoba"])
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(["fit", *tiny_args(tmp_path / "run", tmp_path / "cache"), typo, "3"])
+    stderr = capsys.readouterr().err
+    assert exit_info.value.code == 2 and stderr.count("\n") == 1, stderr
+    assert stderr.rstrip().endswith(f"did you mean {meant}?"), stderr
+
+
 def test_bad_value_from_the_real_command_is_its_only_stderr_line(tmp_path):
     proc = run("fit", *tiny_args(tmp_path / "run", tmp_path / "cache"), "--model.config.moba_top_k", "0",
                cwd=tmp_path)
