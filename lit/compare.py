@@ -29,8 +29,8 @@ import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from flexmoba.model import ModelConfig
-from lit.command_line import parse_dataclass
-from lit.data import PythonSourceData
+from lit.command_line import fail, parse_dataclass
+from lit.data import ByteFilesData, CorpusError
 from lit.module import LitLM
 
 VARIANTS = ("moba", "full")
@@ -55,7 +55,9 @@ class CompareJob:
         val_every: validate every N steps; default ``steps / 5``.
         val_batches: batches per intermediate validation.
         final_val_batches: batches in the final validation.
-        corpus_dir: corpus root; default this Python's standard library.
+        root: corpus folder (every file matching ``patterns`` is a document; bytes are tokens);
+            default this Python's standard library.
+        patterns: globs of the files to read, e.g. ``["*.txt", "*.md"]``; default ``["*.py"]``.
         max_files: use only this many training files.
         max_bytes: use only this many bytes.
         cache_dir: tokenized-corpus cache folder.
@@ -78,7 +80,8 @@ class CompareJob:
     val_every: int | None = None
     val_batches: int = 8
     final_val_batches: int = 32
-    corpus_dir: str | None = None
+    root: str | None = None
+    patterns: list[str] | None = None
     max_files: int | None = None
     max_bytes: int | None = None
     cache_dir: str | None = None
@@ -142,7 +145,7 @@ def progress_bar() -> list[L.Callback]:
         return []
 
 
-def train_one(job: CompareJob, attention: str, seed: int, run_dir: Path, data: PythonSourceData) -> dict:
+def train_one(job: CompareJob, attention: str, seed: int, run_dir: Path, data: ByteFilesData) -> dict:
     """One fit + final validation; its logs and ``final.ckpt`` go to ``run_dir``."""
     L.seed_everything(seed, verbose=False)
     config = job.model_config(attention)
@@ -291,13 +294,17 @@ def run(job: CompareJob) -> Path:
     if job.threads:
         torch.set_num_threads(job.threads)
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    data = ByteFilesData(
+        root=job.root, patterns=job.patterns, seq_len=job.seq_len, batch_size=job.batch_size,
+        max_files=job.max_files, max_bytes=job.max_bytes, cache_dir=job.cache_dir, seed=job.seed,
+    )
+    try:
+        data.check_files()
+    except CorpusError as error:
+        fail("flexmoba compare", f"--{error.option}: {error}")
     run_dir = Path(job.out) / f"compare-{datetime.now():%Y%m%d-%H%M%S}"
     run_dir.mkdir(parents=True, exist_ok=False)
     print(f"[compare] results go to {run_dir}")
-    data = PythonSourceData(
-        corpus_dir=job.corpus_dir, seq_len=job.seq_len, batch_size=job.batch_size,
-        max_files=job.max_files, max_bytes=job.max_bytes, cache_dir=job.cache_dir, seed=job.seed,
-    )
     data.prepare_data()
     results = [train_one(job, attention, seed, run_dir / attention / f"seed{seed}", data)
                for attention in VARIANTS for seed in job.seed_list()]

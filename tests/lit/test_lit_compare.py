@@ -56,3 +56,12 @@ def test_bad_options_are_one_line_and_exit_2(args, message, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
     assert not list(tmp_path.iterdir()), "nothing may be written before the options are valid"
+
+
+def test_a_corpus_that_cannot_work_is_one_line_before_anything_is_written(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "notes.md").write_text("too short")
+    out = tmp_path / "out"
+    proc = compare("--root", str(tmp_path / "corpus"), "--patterns", '["*.txt"]', "--out", str(out), timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("flexmoba compare: error: --patterns: ") and not out.exists()
