@@ -13,8 +13,6 @@ import sys
 from dataclasses import fields, is_dataclass
 from typing import TypeVar
 
-from jsonargparse import ArgumentParser, Namespace
-
 T = TypeVar("T")
 
 
@@ -60,7 +58,7 @@ def unknown_option_hint(cls, message: str) -> str:
     return "; ".join([message, *hints])
 
 
-def to_dataclass(cls: type[T], namespace: Namespace) -> T:
+def to_dataclass(cls: type[T], namespace) -> T:
     values = {f.name: namespace.as_dict()[f.name] for f in fields(cls)}
     for f in fields(cls):
         if nested_dataclass(f) and isinstance(values[f.name], dict):
@@ -70,6 +68,8 @@ def to_dataclass(cls: type[T], namespace: Namespace) -> T:
 
 def parse_dataclass(cls: type[T], argv: list[str] | None, *, prog: str, description: str = "") -> T:
     """Parse ``argv`` into a ``cls`` instance; any error exits 2 with one line."""
+    from jsonargparse import ArgumentParser  # the train extra; flexmoba --version works without it
+
     parser = ArgumentParser(prog=prog, description=description.replace("%", "%%"), exit_on_error=False,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", action="config", help="a YAML file of these options")

@@ -16,6 +16,7 @@ import flexmoba
 from lit.command_line import fail
 
 LIGHTNING = ("fit", "validate", "test", "predict")
+TRAIN_EXTRA = ("lightning", "torchmetrics", "jsonargparse", "yaml", "matplotlib", "tensorboard", "rich")
 
 # subcommand -> (module whose main(argv) runs it, what it does)
 SUBCOMMANDS = {
@@ -64,6 +65,16 @@ def main(argv: list[str] | None = None) -> None:
         close = difflib.get_close_matches(name, SUBCOMMANDS, n=1)
         hint = f"; did you mean {close[0]}?" if close else "; flexmoba --help lists them"
         fail("flexmoba", f"unknown subcommand {name!r}{hint}")
+    try:
+        run_subcommand(name, rest)
+    except ModuleNotFoundError as error:
+        if error.name not in TRAIN_EXTRA:
+            raise
+        fail(f"flexmoba {name}", f"needs the training extra ({error.name} is not installed): "
+                                 "pip install 'flexmoba[train]'")
+
+
+def run_subcommand(name: str, rest: list[str]) -> None:
     if name in LIGHTNING:
         # argv[0] stays the real program: Lightning's DDP launcher re-runs it in the other ranks.
         sys.argv = [sys.argv[0], name, *rest]

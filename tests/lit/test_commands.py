@@ -1,5 +1,8 @@
 """The one ``flexmoba`` command: its subcommands, --help on each, --version, clear errors."""
 
+import subprocess
+import sys
+
 import pytest
 
 import flexmoba
@@ -46,3 +49,31 @@ def test_every_subcommand_has_help(name, capsys):
 def test_errors_are_one_line_with_exit_2(argv, message, capsys):
     code, _, err = run(capsys, *argv)
     assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+WITHOUT_TRAINING_STACK = """
+import sys
+
+class Blocker:  # as if only `pip install flexmoba` (torch) were installed
+    def find_spec(self, name, path=None, target=None):
+        top = name.partition(".")[0]
+        if top in ("lightning", "torchmetrics", "jsonargparse", "matplotlib", "tensorboard", "yaml", "rich"):
+            raise ModuleNotFoundError(f"No module named {top!r}", name=top)
+
+sys.meta_path.insert(0, Blocker())
+from lit.commands import main
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("argv, code, stream, text", [
+    (["--version"], 0, "stdout", f"flexmoba {flexmoba.__version__}"),
+    (["compare", "--help"], 2, "stderr", "flexmoba compare: error: needs the training extra"),
+    (["fit", "--config", "x.yaml"], 2, "stderr", "pip install 'flexmoba[train]'"),
+])
+def test_without_the_training_extra_the_command_says_what_to_install(argv, code, stream, text):
+    proc = subprocess.run([sys.executable, "-c", WITHOUT_TRAINING_STACK, *argv], capture_output=True, text=True,
+                          timeout=120)
+    output = getattr(proc, stream)
+    assert proc.returncode == code and text in output, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") <= 1
