@@ -7,7 +7,7 @@ the device allows (flex has no CPU backward), of:
                       (flexmoba.flex_plan; on CPU with the sink key for the log-sum-exp)
     moba_flex_union   the same through the union BlockMask in the original query order
     moba_flex_tile    the union BlockMask at tile granularity (--tile, default 128): exactly sparse
-    moba_sdpa         MoBA as a dense [B, H, S, S] bool mask into SDPA (skipped past --dense-max-seq)
+    moba_sdpa         MoBA as a dense [B, H, S, S] bool mask into SDPA (skipped past --dense_max_seq)
     moba_gather       MoBA by regrouping queries per selected chunk (flexmoba.gather)
     full_flex_causal  compiled flex with a causal BlockMask built from tables
     sdpa_causal       F.scaled_dot_product_attention(is_causal=True), the reference for speedups
@@ -24,7 +24,7 @@ Peak memory: extra memory during one call over what was live before it
 layer's own (:func:`flexmoba.model.capture_attention_inputs` on Python source bytes) and a
 second table gives the locality of the real selections.
 
-    python -m benchmarks.attention [--seq-lens 2048 4096] [--configs 512:3 4096:12] [--repeats 3]
+    python -m benchmarks.attention [--seq_lens 2048 4096] [--configs 512:3 4096:12] [--repeats 3]
     python -m benchmarks.attention --inputs checkpoint --ckpt runs/moba/checkpoints/last.ckpt
 """
 
@@ -323,7 +323,7 @@ def configs_for(seq_len: int, args) -> list[tuple[int, int]]:
 def parse_args(argv=None):
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seq-lens", type=int, nargs="+",
+    p.add_argument("--seq_lens", type=int, nargs="+",
                    help=f"sequence lengths S (default: {CPU_SEQ_LENS} on CPU, {CUDA_SEQ_LENS} on CUDA)")
     p.add_argument("--configs", nargs="+",
                    help="MoBA chunk:top_k pairs for every S, e.g. 512:3 4096:12 "
@@ -335,20 +335,20 @@ def parse_args(argv=None):
     p.add_argument("--layer", type=int, default=0, help="checkpoint layer whose q/k/v are timed (default: 0)")
     p.add_argument("--batch", type=int, default=1, help="B (random inputs; default: 1)")
     p.add_argument("--heads", type=int, default=4, help="H (random inputs; default: 4)")
-    p.add_argument("--kv-heads", type=int, default=None, help="H_kv (random inputs; default: --heads)")
-    p.add_argument("--head-dim", type=int, default=64, help="D (random inputs; default: 64)")
+    p.add_argument("--kv_heads", type=int, default=None, help="H_kv (random inputs; default: --heads)")
+    p.add_argument("--head_dim", type=int, default=64, help="D (random inputs; default: 64)")
     p.add_argument("--tile", type=int, default=128, help="tile of moba_flex_tile (default: 128)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16" if cuda else "float32",
                    help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--device", default="cuda" if cuda else "cpu", help="default: cuda if available")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per measurement, median (default: 3)")
-    p.add_argument("--no-backward", action="store_true", help="forward only")
-    p.add_argument("--dense-max-seq", type=int, default=32768 if cuda else 16384,
+    p.add_argument("--no_backward", action="store_true", help="forward only")
+    p.add_argument("--dense_max_seq", type=int, default=32768 if cuda else 16384,
                    help="skip moba_sdpa (dense S x S mask) above this S (default: 16384 on CPU, 32768 on CUDA)")
-    p.add_argument("--gather-cap-gb", type=float, default=None,
+    p.add_argument("--gather_cap_gb", type=float, default=None,
                    help="skip moba_gather when its estimated memory exceeds this "
                         "(default: 40%% of GPU memory, 16 on CPU)")
-    p.add_argument("--time-budget", type=float, default=None,
+    p.add_argument("--time_budget", type=float, default=None,
                    help="seconds; rows that would start later are reported as skipped (default: none)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report folder (committed: benchmarks/results)")
     args = p.parse_args(argv)

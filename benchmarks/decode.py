@@ -15,7 +15,7 @@ The three are timed in interleaved rounds in one process after a warm-up; ratios
 median over rounds of (dense time / MoBA time), against the faster dense. The ideal is
 context / keys a MoBA query attends.
 
-    python -m benchmarks.decode [--seq-lens 2048 8192 32768] [--threads N] [--out benchmarks/results]
+    python -m benchmarks.decode [--seq_lens 2048 8192 32768] [--threads N] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -132,15 +132,15 @@ def summarise(seq_len: int, times: dict[str, list[float]], args, err) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
+    parser.add_argument("--seq_lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--chunk-size", type=int, default=512)
-    parser.add_argument("--top-k", type=int, default=3)
+    parser.add_argument("--kv_heads", type=int, default=8)
+    parser.add_argument("--head_dim", type=int, default=128)
+    parser.add_argument("--moba_chunk_size", dest="chunk_size", type=int, default=512)
+    parser.add_argument("--moba_top_k", dest="top_k", type=int, default=3)
     parser.add_argument("--steps", type=int, default=16, help="decode steps per timed call")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (after 2 warm-up rounds)")
-    parser.add_argument("--check-up-to", type=int, default=4096,
+    parser.add_argument("--check_up_to", type=int, default=4096,
                         help="compare with moba_reference (dense, O(S^2) memory) up to this context")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report folder (committed: benchmarks/results)")

@@ -32,14 +32,14 @@ echo "== (b) attention: regrouped flex vs union flex vs gather vs SDPA (flash) c
 # 512/3 (the paper) and 128/8 (FlashMoBA's setting) at each S, forward and forward+backward;
 # longest S first, so that a spent time budget (each new shape compiles flex kernels) skips
 # the short rows, reported as skipped.
-timeout 300 "$PY" -m benchmarks.attention --seq-lens 131072 32768 8192 --configs 512:3 128:8 \
+timeout 300 "$PY" -m benchmarks.attention --seq_lens 131072 32768 8192 --configs 512:3 128:8 \
   --methods sdpa_causal moba_flex moba_flex_union moba_gather --repeats 5 \
-  --time-budget 240 --out "$OUT_DIR/gpu_train" 2>&1 | tee "$OUT_DIR/attention_cuda.log"
+  --time_budget 240 --out "$OUT_DIR/gpu_train" 2>&1 | tee "$OUT_DIR/attention_cuda.log"
 bench_rc=${PIPESTATUS[0]}
 
 echo "== (c) 1M tokens, forward, 4096/12 (the paper's figure), where memory allows =="
-timeout 100 "$PY" -m benchmarks.attention --seq-lens 1048576 --configs 4096:12 --heads 1 \
-  --methods sdpa_causal moba_flex --no-backward --repeats 2 --out "$OUT_DIR/gpu_1m" 2>&1 | tee -a "$OUT_DIR/attention_cuda.log"
+timeout 100 "$PY" -m benchmarks.attention --seq_lens 1048576 --configs 4096:12 --heads 1 \
+  --methods sdpa_causal moba_flex --no_backward --repeats 2 --out "$OUT_DIR/gpu_1m" 2>&1 | tee -a "$OUT_DIR/attention_cuda.log"
 long_rc=${PIPESTATUS[0]}
 
 {

@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=sorted(TOLERANCE))
     p.add_argument("--device", default="cuda" if cuda else "cpu")
-    p.add_argument("--max-seq", type=int, default=None, help="skip shapes longer than this")
+    p.add_argument("--max_seq", type=int, default=None, help="skip shapes longer than this")
     p.add_argument("--shapes", type=int, nargs="+", default=list(range(len(SHAPES))),
                    help=f"indices into SHAPES (B, H, H_kv, S, D, chunk, top_k, granularity, documents): {SHAPES}")
     args = p.parse_args(argv)

@@ -5,7 +5,7 @@ backend runs (token granularity: the regrouped plan; tiles: the union BlockMask)
 the time of the compiled flex attention it serves (inference, fp32), beside SDPA causal
 attention on the same inputs.
 
-    python -m benchmarks.mask_build [--seq-lens 4096 8192 16384 32768] [--out benchmarks/results]
+    python -m benchmarks.mask_build [--seq_lens 4096 8192 16384 32768] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -54,11 +54,11 @@ def measure(seq_len: int, granularity, heads: int, head_dim: int, chunk_size: in
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    parser.add_argument("--seq_lens", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--chunk-size", type=int, default=512)
-    parser.add_argument("--top-k", type=int, default=3)
+    parser.add_argument("--head_dim", type=int, default=64)
+    parser.add_argument("--moba_chunk_size", dest="chunk_size", type=int, default=512)
+    parser.add_argument("--moba_top_k", dest="top_k", type=int, default=3)
     parser.add_argument("--tile", type=int, default=128, help="tile size of the tile-granularity rows")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report folder (committed: benchmarks/results)")

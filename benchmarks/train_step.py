@@ -13,7 +13,7 @@ one ``configs/moba.yaml`` trains), with ``--config``'s ``model.config`` fields i
 Target: on CPU at S = 8K, the MoBA training step at least 2x faster than through the
 dense-mask path, i.e. ``vs moba sdpa`` >= 2 on the gather row.
 
-    python -m benchmarks.train_step [--seq-lens 2048 8192] [--backends gather sdpa] [--repeats 3]
+    python -m benchmarks.train_step [--seq_lens 2048 8192] [--backends gather sdpa] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -109,13 +109,13 @@ def add_ratios(rows: list[dict]) -> None:
 def parse_args(argv=None):
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192], help="sequence lengths S")
+    p.add_argument("--seq_lens", type=int, nargs="+", default=[2048, 8192], help="sequence lengths S")
     p.add_argument("--backends", nargs="+", default=["flex", "gather", "sdpa"] if cuda else ["gather", "sdpa"],
                    choices=("auto", "flex", "gather", "sdpa"), help="MoBA backends to time")
-    p.add_argument("--no-full", action="store_true", help="skip the full-attention rows")
+    p.add_argument("--no_full", action="store_true", help="skip the full-attention rows")
     p.add_argument("--config", type=Path, default=None,
                    help="LightningCLI YAML whose model.config fields change the default model")
-    p.add_argument("--batch-size", type=int, default=1, help="sequences per step")
+    p.add_argument("--batch_size", type=int, default=1, help="sequences per step")
     p.add_argument("--repeats", type=int, default=3, help="timed steps (median)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--device", default="cuda" if cuda else "cpu")

@@ -11,8 +11,8 @@ tile size, this reports:
 1.0 visited/attended is perfectly sparse; a dense causal kernel sits at the FLOP ideal.
 No timing: the counts come from the block tables.
 
-    python -m benchmarks.union_density --ckpt runs/moba/checkpoints/last.ckpt --seq-len 8192
-    python -m benchmarks.union_density --seq-len 32768            # random inputs, 4 heads
+    python -m benchmarks.union_density --ckpt runs/moba/checkpoints/last.ckpt --seq_len 8192
+    python -m benchmarks.union_density --seq_len 32768            # random inputs, 4 heads
 """
 
 from __future__ import annotations
@@ -63,10 +63,10 @@ def layer_rows(q, k, chunk_size: int, top_k: int, tiles: list[int]) -> list[dict
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ckpt", type=Path, help="flexmoba checkpoint (default: random inputs)")
-    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--seq_len", type=int, default=8192)
     p.add_argument("--tiles", type=int, nargs="+", default=[128, 64, 32, 16])
-    p.add_argument("--chunk-size", type=int, help="default: the checkpoint's, else 512")
-    p.add_argument("--top-k", type=int, help="default: the checkpoint's, else 3")
+    p.add_argument("--moba_chunk_size", dest="chunk_size", type=int, help="default: the checkpoint's, else 512")
+    p.add_argument("--moba_top_k", dest="top_k", type=int, help="default: the checkpoint's, else 3")
     p.add_argument("--heads", type=int, default=4, help="H for random inputs")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report folder (committed: benchmarks/results)")
     args = p.parse_args(argv)
