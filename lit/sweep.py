@@ -39,6 +39,9 @@ from flexmoba.model import ModelConfig
 from lit.scaling_law import pflops_days
 
 RUN_OVERHEAD_SECONDS = 15.0  # starting Lightning, mapping the corpus, writing checkpoints: per run, in --plan
+# Gate diagnostics compute full attention's probabilities: measured 55 s per layer for one 32K sequence
+# on 2 CPU cores (8 GB peak), quadratic in the sequence length.
+GATE_SECONDS_PER_LAYER_32K = 55.0
 
 
 @dataclass
@@ -258,8 +261,8 @@ class Run:
 
     def estimated_seconds(self) -> float | None:
         """Wall time from the sweep's measured ``step_seconds``: the training steps (a hybrid's last
-        ones at full attention's speed) and the final validation (after a hybrid's switch: at full
-        attention's speed), each batch a forward, a third of a step."""
+        ones at full attention's speed), the final validation (after a hybrid's switch: at full
+        attention's speed; each batch a forward, a third of a step) and gate diagnostics if asked."""
         base = self.model_config().attention
         n = self.model_config().num_parameters(non_embedding=True)
         if base not in self.spec.step_seconds or (self.kind.full_share() and "full" not in self.spec.step_seconds):
@@ -268,7 +271,10 @@ class Run:
         if self.kind.full_share():
             val_step = interpolate_log_log(self.spec.step_seconds["full"], n)
             step = (1 - self.kind.full_share()) * step + self.kind.full_share() * val_step
-        return RUN_OVERHEAD_SECONDS + self.steps() * step + self.spec.limit_val_batches * val_step / 3
+        seconds = RUN_OVERHEAD_SECONDS + self.steps() * step + self.spec.limit_val_batches * val_step / 3
+        if self.name in self.spec.gate_diagnostics:
+            seconds += GATE_SECONDS_PER_LAYER_32K * self.size.n_layers * (self.spec.seq_len / 32768) ** 2
+        return seconds
 
 
 def interpolate_log_log(points: list[list[float]], x: float) -> float:
