@@ -172,9 +172,10 @@ class SweepSpec:
         return [AttentionKind.parse(name, entry) for name, entry in self.attention.items()]
 
     def runs(self) -> list[Run]:
-        seeds = self.seeds or [None]
-        return [Run(self, size, kind.name, seed) for size in self.sizes for kind in self.attention_kinds()
-                if kind.trains(size) for seed in seeds]
+        """Seed by seed (a sweep stopped after its first seed is a whole single-seed study), then size
+        by size, then attention by attention."""
+        return [Run(self, size, kind.name, seed) for seed in self.seeds or [None] for size in self.sizes
+                for kind in self.attention_kinds() if kind.trains(size)]
 
 
 @dataclass

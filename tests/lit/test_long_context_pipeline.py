@@ -51,6 +51,17 @@ def test_tiny_long_context_sweep_builds_the_report(tmp_path, corpus_cache, monke
     hybrid = json.loads((tmp_path / "sweep" / "s2-hybrid-seed0" / "result.json").read_text())
     assert hybrid["switch_to_full_at"] == 0.5 and hybrid["seq_len"] == 256
 
+    # Killed after its last checkpoint, before its result: the resumed fit has nothing left to train,
+    # so the run is validated anew, and gives the numbers of the validation that ended its fit.
+    result = tmp_path / "sweep" / "s1-full-seed0" / "result.json"
+    ended_fit = json.loads(result.read_text())["metrics"]
+    result.unlink()
+    sweep_main([str(config)])
+    validated = json.loads(result.read_text())
+    assert validated["resumed"] and validated["metrics"].keys() >= ended_fit.keys()
+    for key, value in ended_fit.items():
+        assert validated["metrics"][key] == pytest.approx(value, rel=1e-5), key
+
 
 # -- the report on fabricated results ----------------------------------------------------
 
