@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lit.data import ByteFilesData, document_counts
 from lit.scaling_report import write_report
 from lit.sweep import SweepSpec
 from lit.sweep import main as sweep_main
@@ -61,6 +62,20 @@ def test_tiny_long_context_sweep_builds_the_report(tmp_path, corpus_cache, monke
     assert validated["resumed"] and validated["metrics"].keys() >= ended_fit.keys()
     for key, value in ended_fit.items():
         assert validated["metrics"][key] == pytest.approx(value, rel=1e-5), key
+
+
+def test_long32k_validates_on_held_out_documents_that_reach_32k(tmp_path):
+    spec = SweepSpec.from_yaml(REPO / "configs" / "sweep" / "long32k.yaml")
+    data_args = dict(arg[len("--data."):].split("=") for arg in spec.cli_args if arg.startswith("--data."))
+    data = ByteFilesData(seq_len=spec.seq_len, min_document_bytes=int(data_args["min_document_bytes"]),
+                         cache_dir=str(tmp_path))
+    selected = data._selected_files()
+    assert len(selected["val"]) >= 10 and len(selected["train"]) >= 100
+    assert all(size > spec.seq_len for split in selected.values() for _, size in split)
+    assert not {name for name, _ in selected["val"]} & {name for name, _ in selected["train"]}
+    assert document_counts(data)["val"]["documents"] == len(selected["val"])
+    full_sequences = sum((size - 1) // spec.seq_len for _, size in selected["val"])  # as lit.data cuts them
+    assert full_sequences >= spec.limit_val_batches * spec.batch_size  # validation never runs short
 
 
 # -- the report on fabricated results ----------------------------------------------------
