@@ -1,7 +1,7 @@
 """Scaling-law sweep: MoBA vs full attention over model sizes, one Lightning run each.
 
-    python -m lit.sweep configs/sweep/toy.yaml            # run (or resume) the sweep, then report
-    python -m lit.sweep configs/sweep/toy.yaml --report-only
+    flexmoba sweep configs/sweep/toy.yaml                 # run (or resume) the sweep, then report
+    flexmoba sweep configs/sweep/toy.yaml --report_only
 
 Every (model size, attention type[, seed]) is an ordinary ``flexmoba fit`` run in its own
 folder ``<out_dir>/<size>-<attention>/`` (``<size>-<attention>-seed<n>/`` when the sweep
@@ -357,13 +357,23 @@ def _coordination_group():
     return _GROUP
 
 
+def device_args(spec: SweepSpec) -> list[str]:
+    """``bf16-mixed`` on a CUDA machine unless the sweep sets a precision (like the process
+    count, a property of the machine, not of a run's settings)."""
+    import torch
+
+    if torch.cuda.is_available() and "--trainer.precision" not in spec.cli_args:
+        return ["--trainer.precision", "bf16-mixed"]
+    return []
+
+
 def execute(run: Run, resume: bool, processes: Processes = Processes()) -> dict:
     """Fit (or resume) one run and validate it; rank 0 writes its ``result.json``."""
     from lit.cli import run_cli  # Lightning is imported only when a run really happens
 
     resume_args = ["--ckpt_path", str(run.folder / "checkpoints" / "last.ckpt")] if resume else []
     started = time.time()
-    cli = run_cli(["fit", *run.cli_args(), *processes.launch_args(run.spec), *resume_args])
+    cli = run_cli(["fit", *run.cli_args(), *processes.launch_args(run.spec), *device_args(run.spec), *resume_args])
     metrics = final_validation(cli)
     result = {
         "run": run.name,
@@ -450,10 +460,12 @@ def print_plan(spec: SweepSpec) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="MoBA vs full attention scaling-law sweep")
+    parser = argparse.ArgumentParser(prog="flexmoba sweep", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", type=Path, help="sweep YAML, e.g. configs/sweep/toy.yaml")
-    parser.add_argument("--report-only", action="store_true", help="only rebuild the report from finished runs")
-    parser.add_argument("--plan", action="store_true", help="print the runs, their steps and compute, and exit")
+    parser.add_argument("--report_only", "--report-only", action="store_true",
+                        help="only rebuild the report from finished runs")
+    parser.add_argument("--plan", action="store_true", help="print the runs, their steps, compute, minutes; exit")
     args = parser.parse_args(argv)
 
     spec = SweepSpec.from_yaml(args.config)
