@@ -17,6 +17,8 @@ import torch
 from hypothesis import example, settings
 from hypothesis import strategies as st
 
+from flexmoba import moba_attention, moba_reference
+
 import oracle
 
 
@@ -279,3 +281,15 @@ def flex_problems(draw):
     # Two scales only: the compiled kernel specialises on the scale, so each new one recompiles.
     scale = draw(st.sampled_from([None, None, 0.3]))
     return Problem(q, k, v, chunk_size, top_k, granularity, draw(document_ids(B, S)), scale)
+
+
+def run_backend(backend, q, k, v, **kwargs):
+    """MoBA attention by one named backend (``"reference"``: :func:`moba_reference`)."""
+    if backend == "reference":
+        return moba_reference(q, k, v, **kwargs)
+    return moba_attention(q, k, v, backend=backend, **kwargs)
+
+
+def seeded_randn(like):
+    """Normal noise shaped like ``like``, the same on every call (a retried example sees the same)."""
+    return torch.randn(like.shape, generator=torch.Generator().manual_seed(like.numel()), dtype=like.dtype)

@@ -10,22 +10,12 @@ from flexmoba import compiled_flex_attention, moba_attention, moba_block_mask, m
 from flexmoba.gather import gather_moba_attention
 
 import oracle
-from strategies import flex_problems, problems, with_examples
+from strategies import flex_problems, problems, run_backend, seeded_randn, with_examples
 
 # Every backend that runs on CPU with gradients; "reference" is moba_reference.
 BACKENDS = ["sdpa", "gather", "reference"]
 
 
-def run_backend(backend, q, k, v, **kwargs):
-    """MoBA attention by one named backend (``"reference"``: :func:`moba_reference`)."""
-    if backend == "reference":
-        return moba_reference(q, k, v, **kwargs)
-    return moba_attention(q, k, v, backend=backend, **kwargs)
-
-
-def seeded_randn(like):
-    """Normal noise shaped like ``like``, the same on every call (a retried example sees the same)."""
-    return torch.randn(like.shape, generator=torch.Generator().manual_seed(like.numel()), dtype=like.dtype)
 
 
 def grad_tolerance(problem):

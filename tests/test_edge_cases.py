@@ -21,9 +21,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from flexmoba import (
     compiled_flex_attention,
     dense_moba_mask,
-    moba_attention,
     moba_flex_plan,
-    moba_reference,
     select_chunks,
 )
 from flexmoba.decode import gate_step, moba_decode_attention
@@ -32,21 +30,13 @@ from flexmoba.gather import QUERY_BLOCK
 from flexmoba.kv_cache import ChunkKeySums, MoBAKVCache
 
 import oracle
-from strategies import Problem, divisors, document_ids, random_inputs
+from strategies import Problem, divisors, document_ids, random_inputs, run_backend, seeded_randn
 
 BACKENDS = ["sdpa", "gather", "reference"]  # every backend with CPU gradients; "reference": moba_reference
 FLEX_BLOCK = 8  # small flex blocks: a sparse table with partial and skipped blocks at these lengths
 GRAD_TOL = 2e-5  # fp32 gradients of two exact implementations (see test_attention.grad_tolerance)
 
 
-def run_backend(backend, q, k, v, **kwargs):
-    if backend == "reference":
-        return moba_reference(q, k, v, **kwargs)
-    return moba_attention(q, k, v, backend=backend, **kwargs)
-
-
-def seeded_randn(like):
-    return torch.randn(like.shape, generator=torch.Generator().manual_seed(like.numel()), dtype=like.dtype)
 
 
 def integer_inputs(seed: int, B: int, H: int, H_kv: int, S: int, D: int):

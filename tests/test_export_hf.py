@@ -29,12 +29,7 @@ MODELS = {  # name: (ModelConfig fields, phase override, expected config.moba["f
 hf.register()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def save_tiny_checkpoint(path, fields: dict, override: str | None):

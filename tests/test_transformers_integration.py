@@ -41,13 +41,7 @@ AttentionInterface.register("moba-reference", reference_attention)
 # transformers 5 renamed forward's past_key_values to cache.
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The model is tiny: one thread is ~100x faster than two contending ones on a busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
