@@ -22,7 +22,7 @@ from flexmoba.model import GPT, ModelConfig
 def read_checkpoint(path: str | Path) -> dict:
     """The checkpoint's dict, on CPU; tensors and plain data only (``weights_only=True``)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # tensors read on use
     except pickle.UnpicklingError as error:
         raise ValueError(f"{path} holds pickled objects, which flexmoba does not load (weights_only=True); "
                          "a checkpoint written before the model config was stored as a dict? Re-save it "

@@ -20,7 +20,6 @@ TensorBoard. ``predict`` writes ``<root>/predictions/predictions-rank<R>.jsonl``
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import os
 import re
@@ -29,7 +28,6 @@ import warnings
 from pathlib import Path
 
 import lightning as L
-import torch
 from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -37,7 +35,8 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from flexmoba import validation
 from flexmoba.model import ModelConfig
-from lit.checkpoint import checkpoint_config
+from lit.checkpoint import checkpoint_config, read_checkpoint
+from lit.command_line import with_suggestion
 from lit.data import CorpusError, PythonSourceData
 from lit.guards import (
     AtomicCheckpointIO,
@@ -99,15 +98,6 @@ def one_line_error(message: str) -> str:
     if expected:
         rule = f"must be {expected.group(1)}, got {expected.group(2)!r}"
     return f"--{'.'.join(keys)}: {rule}"
-
-
-def with_suggestion(message: str, options: list[str]) -> str:
-    """``message`` plus the nearest valid option for a mistyped one."""
-    unknown = re.search(r"unrecognized arguments: (--\S+)", message)
-    rejected = re.match(r"(--[\w.]+): Option '(\w+)' is not accepted", message)
-    typo = unknown[1] if unknown else f"{rejected[1]}.{rejected[2]}" if rejected else None
-    close = difflib.get_close_matches(typo, options, n=1) if typo else []
-    return f"{message}; did you mean {close[0]}?" if close else message
 
 
 class OneLineErrorParser(LightningArgumentParser):
@@ -177,7 +167,7 @@ WEIGHT_SHAPE_FIELDS = ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_hea
 
 def model_mismatch(path: str, config: ModelConfig) -> str | None:
     """How the model saved in ``path`` differs in shape from ``config``, or None."""
-    saved = checkpoint_config(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+    saved = checkpoint_config(read_checkpoint(path))
     differ = [f"{name} {getattr(saved, name)} != {getattr(config, name)}" for name in WEIGHT_SHAPE_FIELDS
               if getattr(saved, name) != getattr(config, name)]
     return ", ".join(differ) or None
@@ -185,13 +175,8 @@ def model_mismatch(path: str, config: ModelConfig) -> str | None:
 
 @rank_zero_only
 def say(message: str) -> None:
+    """One ``flexmoba: ...`` line on stderr from rank 0, shown even when Python warnings are silenced."""
     sys.stderr.write(f"flexmoba: {message}\n")
-
-
-@rank_zero_only
-def warn_once(message: str) -> None:
-    """Shown even when Python warnings are silenced (a resume from an older checkpoint must be seen)."""
-    sys.stderr.write(f"flexmoba: warning: {message}\n")
 
 
 class FlexMobaCLI(LightningCLI):
@@ -244,7 +229,7 @@ class FlexMobaCLI(LightningCLI):
                               + "; ".join(f"{p.name} ({why})" for p, why in skipped.items()))
         if chosen is not None:
             if skipped:
-                warn_once(f"--ckpt_path last: skipped unreadable {', '.join(p.name for p in skipped)}; "
+                say(f"warning: --ckpt_path last: skipped unreadable {', '.join(p.name for p in skipped)}; "
                           f"using {chosen.name}, the newest intact checkpoint in {folder}")
             config["ckpt_path"] = str(chosen)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
 import sys
 from dataclasses import fields, is_dataclass
 from typing import TypeVar
@@ -48,14 +49,14 @@ def option_names(cls, prefix: str = "--") -> list[str]:
     return names
 
 
-def unknown_option_hint(cls, message: str) -> str:
-    """``message`` plus the nearest valid option for each unrecognised one."""
-    hints = []
-    for word in message.replace("=", " ").split():
-        close = difflib.get_close_matches(word, option_names(cls), n=1) if word.startswith("--") else []
-        if close:
-            hints.append(f"{word}: did you mean {close[0]}?")
-    return "; ".join([message, *hints])
+def with_suggestion(message: str, options: list[str]) -> str:
+    """``message`` plus the nearest valid option for a mistyped one (an unrecognised argument,
+    or a key jsonargparse did not accept inside a group)."""
+    unknown = re.search(r"unrecognized arguments: (--\S+)", message)
+    rejected = re.match(r"(--[\w.]+): Option '(\w+)' is not accepted", message)
+    typo = unknown[1] if unknown else f"{rejected[1]}.{rejected[2]}" if rejected else None
+    close = difflib.get_close_matches(typo, options, n=1) if typo else []
+    return f"{message}; did you mean {close[0]}?" if close else message
 
 
 def to_dataclass(cls: type[T], namespace) -> T:
@@ -77,7 +78,7 @@ def parse_dataclass(cls: type[T], argv: list[str] | None, *, prog: str, descript
     try:
         namespace = parser.parse_args(sys.argv[1:] if argv is None else argv)
     except argparse.ArgumentError as error:
-        fail(prog, unknown_option_hint(cls, one_line(error)))
+        fail(prog, with_suggestion(one_line(error), option_names(cls)))
     try:
         return to_dataclass(cls, namespace)
     except (TypeError, ValueError) as error:

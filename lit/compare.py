@@ -255,7 +255,8 @@ def markdown_report(job: CompareJob, results: list[dict], fingerprint: str | Non
     return "\n".join(lines)
 
 
-def plot(results: list[dict], run_dir: Path) -> None:
+def plot_mean_and_std(results: list[dict], x_of, losses_of, labels: dict, path: Path) -> None:
+    """One line per attention kind: the seed mean of ``losses_of(run)`` at ``x_of(run)``, seed std as error bars."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -263,30 +264,22 @@ def plot(results: list[dict], run_dir: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for attention, runs in by_attention(results).items():
-        steps = [s for s, _ in runs[0]["val_history"]]
-        per_step = list(zip(*([loss for _, loss in r["val_history"]] for r in runs), strict=True))
-        means = [mean_std(list(v))[0] for v in per_step]
-        errors = [mean_std(list(v))[1] or 0.0 for v in per_step]
-        ax.errorbar(steps, means, yerr=errors, marker="o", capsize=3, label=attention)
-    ax.set(xlabel="step", ylabel="validation loss (nats/byte)", title="Validation loss during training")
+        stats = [mean_std(list(values)) for values in zip(*(losses_of(r) for r in runs), strict=True)]
+        ax.errorbar(x_of(runs[0]), [m for m, _ in stats], yerr=[s or 0.0 for _, s in stats], marker="o", capsize=3,
+                    label=attention)
+    ax.set(ylabel="validation loss (nats/byte)", **labels)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(run_dir / "val_loss.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for attention, runs in by_attention(results).items():
-        centers = [(s + e) / 2 for s, e in runs[0]["windows"]]
-        per_window = list(zip(*(window_losses(r) for r in runs), strict=True))
-        means = [mean_std(list(v))[0] for v in per_window]
-        errors = [mean_std(list(v))[1] or 0.0 for v in per_window]
-        ax.errorbar(centers, means, yerr=errors, marker="o", capsize=3, label=attention)
-    ax.set(xlabel="target position (window center)", ylabel="validation loss (nats/byte)",
-           title="Loss by position")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(run_dir / "loss_by_position.png", dpi=120)
-    plt.close(fig)
+
+def plot(results: list[dict], run_dir: Path) -> None:
+    plot_mean_and_std(results, lambda r: [s for s, _ in r["val_history"]], lambda r: [v for _, v in r["val_history"]],
+                      {"xlabel": "step", "title": "Validation loss during training"}, run_dir / "val_loss.png")
+    plot_mean_and_std(results, lambda r: [(s + e) / 2 for s, e in r["windows"]], window_losses,
+                      {"xlabel": "target position (window center)", "title": "Loss by position"},
+                      run_dir / "loss_by_position.png")
 
 
 def run(job: CompareJob) -> Path:
