@@ -19,10 +19,10 @@ test: venv
 	$(PY) -m pytest -q tests
 
 compare: venv
-	$(PY) -m lit.compare
+	$(PY) -m lit.experiments.compare
 
 sweep: venv
-	$(PY) -m lit.sweep configs/sweep/toy.yaml
+	$(PY) -m lit.experiments.sweep configs/sweep/toy.yaml
 
 bench: venv
 	$(PY) -m benchmarks.mask_build

@@ -18,8 +18,8 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexmoba.block_mask import key_intervals
+from flexmoba.checkpoint import load_model
 from flexmoba.model import GPT, capture_attention_inputs
-from lit.checkpoint import load_model
 
 BLOCK = 128  # flex block size of the benchmarks
 
@@ -201,7 +201,7 @@ def load_checkpoint_model(path: str | Path, device: torch.device) -> GPT:
 def corpus_tokens(seq_len: int) -> torch.Tensor:
     """``[1, S]`` byte tokens of Python source (the training corpus), held-out files first."""
     try:
-        from lit.data import default_corpus_dir, list_python_files, split_of
+        from lit.training.data import default_corpus_dir, list_python_files, split_of
 
         root = default_corpus_dir()
         files = list_python_files(root)

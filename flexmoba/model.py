@@ -32,7 +32,7 @@ TRAINING_MULTIPLIER = 3  # forward + backward (~2x forward)
 @dataclass
 class ModelConfig:
     """Architecture of :class:`GPT`; the defaults are the project's default model (what
-    ``configs/moba.yaml``, ``lit.compare`` and ``benchmarks.train_step`` train).
+    ``configs/moba.yaml``, ``lit.experiments.compare`` and ``benchmarks.train_step`` train).
 
     Attributes:
         vocab_size: tokens in the vocabulary (256 for raw bytes).

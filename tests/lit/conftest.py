@@ -13,7 +13,7 @@ CONFIGS = REPO / "configs"
 def flexmoba_command() -> list[str]:
     """The installed console script, or the module when the venv has no script."""
     script = Path(sys.executable).parent / "flexmoba"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "lit.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "lit.cli.lightning_cli"]
 
 
 def run_flexmoba(*args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -1,0 +1,1 @@
+"""The ``flexmoba`` command: one dispatch table, one subcommand per job, one error format."""

@@ -1,0 +1,97 @@
+"""``flexmoba``: one command, one subcommand per job; ``flexmoba <subcommand> --help`` for each.
+
+    flexmoba fit --config configs/moba.yaml          # train (LightningCLI: fit, validate, test, predict)
+    flexmoba compare --seeds 2                       # the main job: MoBA vs full attention
+    flexmoba bench attention --seq-lens 8192         # a benchmark from benchmarks/
+    flexmoba --version
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import sys
+from pathlib import Path
+
+import flexmoba
+from lit.cli.options import fail
+
+LIGHTNING = ("fit", "validate", "test", "predict")
+TRAIN_EXTRA = ("lightning", "torchmetrics", "jsonargparse", "yaml", "matplotlib", "tensorboard", "rich")
+
+# subcommand -> (module whose main(argv) runs it, what it does)
+SUBCOMMANDS = {
+    "fit": ("lit.cli.lightning_cli", "train a model from a config (LightningCLI)"),
+    "validate": ("lit.cli.lightning_cli", "validation metrics of a checkpoint"),
+    "test": ("lit.cli.lightning_cli", "test-split metrics of a checkpoint"),
+    "predict": ("lit.cli.lightning_cli", "per-sequence loss and greedy continuation, written to files"),
+    "compare": ("lit.experiments.compare", "main job: MoBA and full attention on one budget, seeds, report"),
+    "sweep": ("lit.experiments.sweep", "scaling-law sweep over model sizes (resumable)"),
+    "scaling-report": ("lit.experiments.scaling_report", "rebuild a sweep's report: runs.csv, fits, figures"),
+    "retrieval": ("lit.experiments.retrieval", "needle-retrieval evaluation of a checkpoint"),
+    "generate": ("lit.cli.generate", "sample bytes from a checkpoint with MoBA KV-cache decoding"),
+    "export-hf": ("lit.cli.export_hf", "write a Hugging Face LlamaForCausalLM folder from a checkpoint"),
+    "bench": ("benchmarks", "run a benchmark: flexmoba bench {attention,decode,mask_build,...} --help"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, SUBCOMMANDS))
+    rows = [f"  {name:<{width}}  {about}" for name, (_, about) in SUBCOMMANDS.items()]
+    return "\n".join([f"usage: flexmoba <subcommand> [options]   (flexmoba {flexmoba.__version__})", "",
+                      __doc__.split("\n\n")[1].rstrip(), "", "subcommands:", *rows])
+
+
+def run_benchmark(argv: list[str]) -> None:
+    if not argv or argv[0].startswith("-"):
+        fail("flexmoba bench", "name a benchmark: attention, decode, mask_build, train_step, union_density, gpu_check")
+    checkout = Path(__file__).resolve().parents[2]
+    if not (checkout / "benchmarks").is_dir():
+        fail("flexmoba bench", "the benchmarks run from a checkout of the repository (benchmarks/ is not installed)")
+    if str(checkout) not in sys.path:
+        sys.path.insert(0, str(checkout))
+    name = argv[0].replace("-", "_")
+    try:
+        module = importlib.import_module(f"benchmarks.{name}")
+    except ModuleNotFoundError:
+        fail("flexmoba bench", f"no benchmark named {argv[0]!r} (benchmarks/ in the repository root)")
+    module.main(argv[1:])
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return
+    if argv[0] == "--version":
+        print(f"flexmoba {flexmoba.__version__}")
+        return
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        close = difflib.get_close_matches(name, SUBCOMMANDS, n=1)
+        hint = f"; did you mean {close[0]}?" if close else "; flexmoba --help lists them"
+        fail("flexmoba", f"unknown subcommand {name!r}{hint}")
+    try:
+        run_subcommand(name, rest)
+    except ModuleNotFoundError as error:
+        if error.name not in TRAIN_EXTRA:
+            raise
+        fail(f"flexmoba {name}", f"needs the training extra ({error.name} is not installed): "
+                                 "pip install 'flexmoba[train]'")
+
+
+def run_subcommand(name: str, rest: list[str]) -> None:
+    if name in LIGHTNING:
+        # argv[0] stays the real program: Lightning's DDP launcher re-runs it in the other ranks.
+        sys.argv = [sys.argv[0], name, *rest]
+        importlib.import_module("lit.cli.lightning_cli").main()
+        return
+    sys.argv = [f"flexmoba {name}", *rest]  # argparse names the program after argv[0]
+    if name == "bench":
+        run_benchmark(rest)
+    else:
+        importlib.import_module(SUBCOMMANDS[name][0]).main(rest)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,489 @@
+"""Scaling-law sweep: MoBA vs full attention over model sizes, one Lightning run each.
+
+    flexmoba sweep configs/sweep/toy.yaml                 # run (or resume) the sweep, then report
+    flexmoba sweep configs/sweep/toy.yaml --report_only
+
+Every (model size, attention type[, seed]) is an ordinary ``flexmoba fit`` run in its own
+folder ``<out_dir>/<size>-<attention>/`` (``<size>-<attention>-seed<n>/`` when the sweep
+lists ``seeds``), trained on ``tokens_per_parameter`` tokens per
+non-embedding parameter (a Chinchilla-style rule), then validated once. A finished run
+leaves ``result.json`` and is skipped on re-run; an interrupted one resumes from its
+``checkpoints/last.ckpt``. The report (:mod:`lit.experiments.scaling_report`) fits ``L = a · C^b`` per
+attention type and position window. ``--plan`` lists the runs with their steps, compute
+and, given the ``step_seconds`` measured on this machine, the estimated wall time.
+
+Under ``torchrun`` (one process per device, on one node or many) every run is one DDP job
+over all processes:
+
+    torchrun --nproc-per-node 2 -m lit.experiments.sweep configs/sweep/toy.yaml
+
+Rank 0 alone decides which runs to start, resume or skip (every rank then follows its
+plan) and alone writes results and the report. ``batch_size`` is the global batch, split
+evenly over the processes, so a sweep gives the same runs on any number of processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch.distributed as dist
+import yaml
+
+from flexmoba.model import ModelConfig
+from lit.experiments.scaling_law import pflops_days
+
+RUN_OVERHEAD_SECONDS = 15.0  # starting Lightning, mapping the corpus, writing checkpoints: per run, in --plan
+# Gate diagnostics compute full attention's probabilities: measured 55 s per layer for one 32K sequence
+# on 2 CPU cores (8 GB peak), quadratic in the sequence length.
+GATE_SECONDS_PER_LAYER_32K = 55.0
+
+
+@dataclass
+class ModelSize:
+    name: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int | None = None
+
+
+@dataclass
+class AttentionKind:
+    """One attention type of a sweep: ModelConfig fields, plus where and how it is trained.
+
+    Attributes:
+        name: the type's name in run folders, e.g. ``moba``.
+        model: ModelConfig fields, e.g. ``{attention: moba, moba_chunk_size: 512, moba_top_k: 3}``.
+        sizes: the model sizes trained with it; default: all.
+        switch_to_full_at: train with ``model`` for this fraction of the steps, then with full
+            attention in every layer (:class:`lit.training.callbacks.AttentionPhaseSwitch`); default: never.
+    """
+
+    name: str
+    model: dict
+    sizes: list[str] | None = None
+    switch_to_full_at: float | None = None
+
+    RUN_KEYS = ("sizes", "switch_to_full_at")
+
+    @classmethod
+    def parse(cls, name: str, entry: dict) -> AttentionKind:
+        model = {k: v for k, v in entry.items() if k not in cls.RUN_KEYS}
+        return cls(name, model, entry.get("sizes"), entry.get("switch_to_full_at"))
+
+    def trains(self, size: ModelSize) -> bool:
+        return self.sizes is None or size.name in self.sizes
+
+    def full_share(self) -> float:
+        """Share of the steps trained with full attention in every layer."""
+        return 0.0 if self.switch_to_full_at is None else 1.0 - self.switch_to_full_at
+
+
+@dataclass
+class SweepSpec:
+    """A sweep, as read from YAML (every key below; unknown keys are an error).
+
+    Attributes:
+        out_dir: folder of the sweep; one sub-folder per run.
+        sizes: model sizes (at least 2 for a fit; the paper's figures use 5).
+        attention: name -> ModelConfig fields of that attention type, e.g.
+            ``{moba: {attention: moba, moba_chunk_size: 256, moba_top_k: 3}, full: {attention: full}}``;
+            an entry may also restrict itself to some sizes and switch to full attention late
+            (see :class:`AttentionKind`), e.g. ``hybrid: {attention: moba, ..., sizes: [s3, s4],
+            switch_to_full_at: 0.9}``.
+        seeds: seeds of every (size, attention) pair, each its own run (model initialisation and
+            data order); default: one run, seeded by the base config, named without a seed.
+        seq_len, batch_size: training sequences.
+        tokens_per_parameter: training tokens per non-embedding parameter.
+        min_steps: floor on the optimizer steps of the smallest runs.
+        position_window, trailing_window: widths of the evaluated position windows.
+        lr, warmup_fraction: AdamW peak learning rate and warmup share of the steps.
+        limit_val_batches: validation batches of the final evaluation.
+        base_config: the Lightning CLI YAML every run starts from.
+        cli_args: extra CLI arguments for every run (e.g. ``--trainer.accelerator gpu``).
+        gate_diagnostics: run names (e.g. ``s4-moba-seed0``) trained with
+            :class:`lit.experiments.gate_diagnostics.GateDiagnostics` (its figure goes into the report).
+        report_dir: a folder the report is copied into besides ``out_dir`` (e.g. under docs/).
+        step_seconds: measured seconds of one training step, per ModelConfig ``attention``
+            (``moba``, ``full``), as ``[[non-embedding parameters, seconds], ...]`` at this
+            sweep's ``seq_len`` and ``batch_size``; ``--plan`` interpolates them (log-log).
+    """
+
+    out_dir: str
+    sizes: list[ModelSize]
+    attention: dict[str, dict]
+    seq_len: int = 2048
+    batch_size: int = 8
+    tokens_per_parameter: float = 20.0
+    min_steps: int = 20
+    position_window: int = 256
+    trailing_window: int = 256
+    lr: float = 3e-3
+    warmup_fraction: float = 0.05
+    limit_val_batches: int = 16
+    base_config: str = "configs/moba.yaml"
+    cli_args: list[str] = field(default_factory=list)
+    seeds: list[int] | None = None
+    gate_diagnostics: list[str] = field(default_factory=list)
+    report_dir: str | None = None
+    step_seconds: dict[str, list[list[float]]] = field(default_factory=dict)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> SweepSpec:
+        raw = yaml.safe_load(Path(path).read_text())
+        if not isinstance(raw, dict):
+            raise ValueError(f"sweep config {path} must be a mapping")
+        known = {f.name for f in fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"unknown keys in sweep config {path}: {sorted(unknown)}")
+        sizes = raw.pop("sizes", None)
+        if not sizes:
+            raise ValueError(f"sweep config {path}: 'sizes' must list at least one model size")
+        if not raw.get("attention"):
+            raise ValueError(f"sweep config {path}: 'attention' must name at least one attention type")
+        spec = cls(sizes=[ModelSize(**s) for s in sizes], **raw)
+        spec.check(path)
+        return spec
+
+    def check(self, path: str | Path) -> None:
+        """ValueError naming the key, for settings that name sizes or runs that do not exist."""
+        size_names = {s.name for s in self.sizes}
+        for kind in self.attention_kinds():
+            unknown = set(kind.sizes or ()) - size_names
+            if unknown:
+                raise ValueError(f"sweep config {path}: attention {kind.name!r} names unknown sizes {sorted(unknown)}")
+            if kind.switch_to_full_at is not None and not 0 <= kind.switch_to_full_at <= 1:
+                raise ValueError(f"sweep config {path}: attention {kind.name!r}: switch_to_full_at must be in [0, 1]")
+        run_names = {run.name for run in self.runs()}
+        unknown = set(self.gate_diagnostics) - run_names
+        if unknown:
+            raise ValueError(f"sweep config {path}: gate_diagnostics names unknown runs {sorted(unknown)}")
+        for run in self.runs():
+            run.model_config()  # validates every size x attention combination up front
+
+    def attention_kinds(self) -> list[AttentionKind]:
+        return [AttentionKind.parse(name, entry) for name, entry in self.attention.items()]
+
+    def runs(self) -> list[Run]:
+        """Seed by seed (a sweep stopped after its first seed is a whole single-seed study), then size
+        by size, then attention by attention."""
+        return [Run(self, size, kind.name, seed) for seed in self.seeds or [None] for size in self.sizes
+                for kind in self.attention_kinds() if kind.trains(size)]
+
+
+@dataclass
+class Run:
+    spec: SweepSpec
+    size: ModelSize
+    attention_name: str
+    seed: int | None = None
+
+    @property
+    def name(self) -> str:
+        base = f"{self.size.name}-{self.attention_name}"
+        return base if self.seed is None else f"{base}-seed{self.seed}"
+
+    @property
+    def kind(self) -> AttentionKind:
+        return AttentionKind.parse(self.attention_name, self.spec.attention[self.attention_name])
+
+    @property
+    def folder(self) -> Path:
+        return Path(self.spec.out_dir) / self.name
+
+    def model_config(self) -> ModelConfig:
+        size = {k: v for k, v in asdict(self.size).items() if k != "name"}  # n_kv_heads None: one per head
+        return ModelConfig(**{**size, **self.kind.model})
+
+    def steps(self) -> int:
+        """Optimizer steps for ``tokens_per_parameter`` tokens per non-embedding parameter."""
+        n = self.model_config().num_parameters(non_embedding=True)
+        tokens = self.spec.tokens_per_parameter * n
+        return max(self.spec.min_steps, math.ceil(tokens / (self.spec.batch_size * self.spec.seq_len)))
+
+    def cli_args(self) -> list[str]:
+        spec, steps = self.spec, self.steps()
+        config = self.model_config()
+        model_args = []
+        for key in ("n_layers", "d_model", "n_heads", "n_kv_heads", *self.kind.model):
+            model_args += [f"--model.config.{key}", str(getattr(config, key))]
+        seed_args = [] if self.seed is None else ["--seed_everything", str(self.seed), "--data.seed", str(self.seed)]
+        return [
+            "--config", spec.base_config,
+            "--trainer.default_root_dir", str(self.folder),
+            "--trainer.max_steps", str(steps),
+            "--trainer.val_check_interval", str(steps),
+            "--trainer.limit_val_batches", str(spec.limit_val_batches),
+            "--checkpoint.every_n_train_steps", str(max(1, steps // 10)),
+            "--data.seq_len", str(spec.seq_len),
+            "--data.batch_size", str(spec.batch_size),
+            "--model.lr", str(spec.lr),
+            "--model.warmup_steps", str(max(1, int(spec.warmup_fraction * steps))),
+            "--model.position_window", str(spec.position_window),
+            "--model.trailing_window", str(spec.trailing_window),
+            *model_args,
+            *seed_args,
+            *self.callback_args(),
+            *spec.cli_args,
+        ]
+
+    def callback_args(self) -> list[str]:
+        """The phase switch of a hybrid, and gate diagnostics where the sweep asks for them."""
+        callbacks = []
+        if self.kind.switch_to_full_at is not None:
+            callbacks.append({"class_path": "lit.training.callbacks.AttentionPhaseSwitch",
+                              "init_args": {"switch_to_full_at": self.kind.switch_to_full_at}})
+        if self.name in self.spec.gate_diagnostics:
+            callbacks.append({"class_path": "lit.experiments.gate_diagnostics.GateDiagnostics",
+                              "init_args": {"max_sequences": 1}})
+        return [f"--trainer.callbacks+={json.dumps(callback)}" for callback in callbacks]
+
+    def compute(self) -> dict:
+        """Training compute in PFLOP/s-days: the paper's 6·N·D, and with attention included (a
+        hybrid's full-attention steps at full attention's cost)."""
+        config = self.model_config()
+        tokens = self.steps() * self.spec.batch_size * self.spec.seq_len
+        n = config.num_parameters(non_embedding=True)
+        full_share = self.kind.full_share()
+        per_token = ((1 - full_share) * config.flops_per_token(self.spec.seq_len)
+                     + full_share * config.flops_per_token(self.spec.seq_len, ["full"] * config.n_layers))
+        return {
+            "params_non_embedding": n,
+            "tokens": tokens,
+            "compute_6nd": pflops_days(6 * n * tokens),
+            "compute_total": pflops_days(per_token * tokens),
+        }
+
+    def estimated_seconds(self) -> float | None:
+        """Wall time from the sweep's measured ``step_seconds``: the training steps (a hybrid's last
+        ones at full attention's speed), the final validation (after a hybrid's switch: at full
+        attention's speed; each batch a forward, a third of a step) and gate diagnostics if asked."""
+        base = self.model_config().attention
+        n = self.model_config().num_parameters(non_embedding=True)
+        if base not in self.spec.step_seconds or (self.kind.full_share() and "full" not in self.spec.step_seconds):
+            return None
+        step = val_step = interpolate_log_log(self.spec.step_seconds[base], n)
+        if self.kind.full_share():
+            val_step = interpolate_log_log(self.spec.step_seconds["full"], n)
+            step = (1 - self.kind.full_share()) * step + self.kind.full_share() * val_step
+        seconds = RUN_OVERHEAD_SECONDS + self.steps() * step + self.spec.limit_val_batches * val_step / 3
+        if self.name in self.spec.gate_diagnostics:
+            seconds += GATE_SECONDS_PER_LAYER_32K * self.size.n_layers * (self.spec.seq_len / 32768) ** 2
+        return seconds
+
+
+def interpolate_log_log(points: list[list[float]], x: float) -> float:
+    """``y(x)`` through measured ``[[x, y], ...]``, piecewise linear in log-log, extended by the end slopes."""
+    points = sorted(points)
+    if len(points) == 1:
+        return points[0][1] * x / points[0][0]  # one point: proportional
+    logs = [(math.log(px), math.log(py)) for px, py in points]
+    lx = math.log(x)
+    i = next((i for i in range(1, len(logs) - 1) if lx < logs[i][0]), len(logs) - 1)
+    (x0, y0), (x1, y1) = logs[i - 1], logs[i]
+    return math.exp(y0 + (y1 - y0) * (lx - x0) / (x1 - x0))
+
+
+@dataclass(frozen=True)
+class Processes:
+    """The processes running the sweep: ``WORLD_SIZE``/``RANK``/``LOCAL_WORLD_SIZE`` as torchrun sets them."""
+
+    world: int = 1
+    rank: int = 0
+    local_world: int = 1
+
+    @classmethod
+    def from_env(cls) -> Processes:
+        if "WORLD_SIZE" not in os.environ and int(os.environ.get("SLURM_NTASKS", 1)) > 1:
+            raise RuntimeError("flexmoba sweep under srun with several tasks: start one torchrun per node "
+                               "instead (srun --ntasks-per-node 1 torchrun --nnodes ... -m lit.experiments.sweep ...), "
+                               "so that the "
+                               "processes know their ranks and rank 0 alone plans and writes")
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        return cls(world, int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def launch_args(self, spec: SweepSpec) -> list[str]:
+        """Trainer and batch arguments for this many processes (not part of a run's settings)."""
+        if self.world == 1:
+            return []
+        if spec.batch_size % self.world:
+            raise ValueError(f"batch_size {spec.batch_size} is the global batch: it must divide evenly over "
+                             f"{self.world} processes")
+        # The strategy is left to the configs: Lightning's "auto" is DDP on several devices.
+        return ["--trainer.devices", str(self.local_world), "--trainer.num_nodes", str(self.world // self.local_world),
+                "--data.batch_size", str(spec.batch_size // self.world)]
+
+    def share(self, decide):
+        """``decide()`` on rank 0, its value (or its exception) on every rank."""
+        if self.world == 1:
+            return decide()
+        outcome = [None]
+        if self.is_main:
+            try:
+                outcome = [("value", decide())]
+            except Exception as error:  # every rank must raise it, or the others would wait forever
+                outcome = [("error", error)]
+        dist.broadcast_object_list(outcome, src=0, group=_coordination_group())
+        kind, value = outcome[0]
+        if kind == "error":
+            raise value
+        return value
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier(group=_coordination_group())
+
+
+_GROUP = None
+
+
+def _coordination_group():
+    """A gloo group for the sweep's own messages (the default group may be NCCL, set up first here
+    from torchrun's environment; Lightning then reuses it)."""
+    global _GROUP
+    if _GROUP is None:
+        if not dist.is_initialized():
+            dist.init_process_group("cpu:gloo,cuda:nccl" if dist.is_nccl_available() else "gloo")
+        _GROUP = dist.new_group(backend="gloo")
+    return _GROUP
+
+
+def device_args(spec: SweepSpec) -> list[str]:
+    """``bf16-mixed`` on a CUDA machine unless the sweep sets a precision (like the process
+    count, a property of the machine, not of a run's settings)."""
+    import torch
+
+    if torch.cuda.is_available() and "--trainer.precision" not in spec.cli_args:
+        return ["--trainer.precision", "bf16-mixed"]
+    return []
+
+
+def execute(run: Run, resume: bool, processes: Processes = Processes()) -> dict:
+    """Fit (or resume) one run and validate it; rank 0 writes its ``result.json``."""
+    from lit.cli.lightning_cli import run_cli  # Lightning is imported only when a run really happens
+
+    resume_args = ["--ckpt_path", str(run.folder / "checkpoints" / "last.ckpt")] if resume else []
+    started = time.time()
+    cli = run_cli(["fit", *run.cli_args(), *processes.launch_args(run.spec), *device_args(run.spec), *resume_args])
+    metrics = final_validation(cli)
+    result = {
+        "run": run.name,
+        "size": run.size.name,
+        "attention": run.attention_name,
+        "seed": run.seed,
+        "seq_len": run.spec.seq_len,
+        "switch_to_full_at": run.kind.switch_to_full_at,
+        "steps": run.steps(),
+        "seconds": time.time() - started,
+        "resumed": resume,
+        "cli_args": run.cli_args(),
+        **run.compute(),
+        "metrics": {k: float(v) for k, v in metrics.items()},
+    }
+    if processes.is_main:
+        (run.folder / "result.json").write_text(json.dumps(result, indent=2))
+    processes.barrier()
+    return result
+
+
+def final_validation(cli) -> dict:
+    """The metrics of the validation that ended the fit (at its last step), or of a new one when
+    this fit did not validate (resumed from a checkpoint of the last step): one validation, not two."""
+    trainer = cli.trainer
+    if "val/loss" in trainer.callback_metrics:
+        return {k: v for k, v in trainer.callback_metrics.items() if not k.startswith("train/")}
+    return trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)[0]
+
+
+PLAN_WORDS = {"start": "starting", "resume": "resuming"}
+
+
+def plan_runs(spec: SweepSpec) -> list[tuple[str, dict | None]]:
+    """Per run: ``("done", result)``, ``("resume", None)`` or ``("start", None)``, from its folder."""
+    plan = []
+    for run in spec.runs():
+        done = run.folder / "result.json"
+        if done.exists():
+            result = json.loads(done.read_text())
+            if result.get("cli_args", run.cli_args()) != run.cli_args():
+                raise ValueError(f"run {run.name} in {run.folder} finished under other settings than the sweep "
+                                 "config now asks for; use a new out_dir or delete that run's folder")
+            plan.append(("done", result))
+        else:
+            plan.append(("resume" if (run.folder / "checkpoints" / "last.ckpt").exists() else "start", None))
+    return plan
+
+
+def run_sweep(spec: SweepSpec, processes: Processes = Processes()) -> list[dict]:
+    """Run every unfinished run of the sweep, in order, and return all results.
+
+    Rank 0 reads the folders and decides; every rank follows that one plan.
+    """
+    runs = spec.runs()
+    plan = processes.share(lambda: plan_runs(spec))
+    say = print if processes.is_main else lambda *args, **kwargs: None
+    results = []
+    for i, (run, (state, result)) in enumerate(zip(runs, plan, strict=True), 1):
+        if state == "done":
+            say(f"[{i}/{len(runs)}] {run.name}: done, skipped", flush=True)
+            results.append(result)
+            continue
+        say(f"[{i}/{len(runs)}] {run.name}: {PLAN_WORDS[state]}, {run.steps()} steps", flush=True)
+        results.append(execute(run, resume=state == "resume", processes=processes))
+    return results
+
+
+def print_plan(spec: SweepSpec) -> float | None:
+    """Print every run's steps, parameters, tokens, compute and estimated minutes; return the total minutes."""
+    total = 0.0
+    for run in spec.runs():
+        c, seconds = run.compute(), run.estimated_seconds()
+        estimate = "" if seconds is None else f", ~{seconds / 60:.1f} min"
+        print(f"{run.name}: {run.steps()} steps, N={c['params_non_embedding']}, D={c['tokens']} "
+              f"({c['tokens'] / c['params_non_embedding']:.1f} tokens/param), C={c['compute_6nd']:.3g} PFLOP/s-days "
+              f"(6ND), {c['compute_total']:.3g} (spent){estimate}")
+        total = None if seconds is None or total is None else total + seconds
+    if total is None:
+        print("estimated total: unknown (give step_seconds for every attention the runs use)")
+        return None
+    print(f"estimated total: {total / 60:.0f} min for {len(spec.runs())} runs")
+    return total / 60
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="flexmoba sweep", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", type=Path, help="sweep YAML, e.g. configs/sweep/toy.yaml")
+    parser.add_argument("--report_only", "--report-only", action="store_true",
+                        help="only rebuild the report from finished runs")
+    parser.add_argument("--plan", action="store_true", help="print the runs, their steps, compute, minutes; exit")
+    args = parser.parse_args(argv)
+
+    spec = SweepSpec.from_yaml(args.config)
+    if args.plan:
+        print_plan(spec)
+        return
+    processes = Processes.from_env()
+    if not args.report_only:
+        run_sweep(spec, processes)
+    if not processes.is_main:
+        return
+    from lit.experiments.scaling_report import write_report
+
+    report = write_report(Path(spec.out_dir), report_dir=spec.report_dir)
+    print(f"report: {report}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The Lightning layer: the module, data, metrics, guards, callbacks and the one launcher."""

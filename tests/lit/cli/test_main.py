@@ -1,0 +1,79 @@
+"""The one ``flexmoba`` command: its subcommands, --help on each, --version, clear errors."""
+
+import subprocess
+import sys
+
+import pytest
+
+import flexmoba
+from lit.cli.main import LIGHTNING, SUBCOMMANDS, main
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    try:
+        main(list(argv))
+        code = 0
+    except SystemExit as exit:
+        code = exit.code or 0
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_version(capsys):
+    assert run(capsys, "--version") == (0, f"flexmoba {flexmoba.__version__}\n", "")
+
+
+def test_bare_command_lists_every_subcommand(capsys):
+    code, out, _ = run(capsys)
+    assert code == 0
+    assert all(f"  {name} " in out for name in SUBCOMMANDS)
+
+
+@pytest.mark.parametrize("name", SUBCOMMANDS)
+def test_every_subcommand_has_help(name, capsys):
+    argv = ["bench", "attention", "--help"] if name == "bench" else [name, "--help"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    if name in LIGHTNING:  # LightningCLI names the program after the real argv[0]
+        assert out.startswith("usage: ") and f"[options] {name}" in out and "--trainer" in out, out[:300]
+    else:
+        assert out.startswith(f"usage: flexmoba {name}"), out[:200]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["comprae"], "unknown subcommand 'comprae'; did you mean compare?"),
+    (["bench"], "name a benchmark"),
+    (["bench", "no_such"], "no benchmark named 'no_such'"),
+    (["scaling-report", "--sweep_dir", "/no/such/folder"], "no finished runs"),
+])
+def test_errors_are_one_line_with_exit_2(argv, message, capsys):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+WITHOUT_TRAINING_STACK = """
+import sys
+
+class Blocker:  # as if only `pip install flexmoba` (torch) were installed
+    def find_spec(self, name, path=None, target=None):
+        top = name.partition(".")[0]
+        if top in ("lightning", "torchmetrics", "jsonargparse", "matplotlib", "tensorboard", "yaml", "rich"):
+            raise ModuleNotFoundError(f"No module named {top!r}", name=top)
+
+sys.meta_path.insert(0, Blocker())
+from lit.cli.main import main
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("argv, code, stream, text", [
+    (["--version"], 0, "stdout", f"flexmoba {flexmoba.__version__}"),
+    (["compare", "--help"], 2, "stderr", "flexmoba compare: error: needs the training extra"),
+    (["fit", "--config", "x.yaml"], 2, "stderr", "pip install 'flexmoba[train]'"),
+])
+def test_without_the_training_extra_the_command_says_what_to_install(argv, code, stream, text):
+    proc = subprocess.run([sys.executable, "-c", WITHOUT_TRAINING_STACK, *argv], capture_output=True, text=True,
+                          timeout=120)
+    output = getattr(proc, stream)
+    assert proc.returncode == code and text in output, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") <= 1
