@@ -387,7 +387,7 @@ class Inputs:
     def locality_configs(self, seq_len: int) -> list[tuple[int, int]]:
         configs = configs_for(seq_len, self.args)
         if self.model is not None:
-            own = (self.model.config.moba_chunk_size, self.model.config.moba_top_k)
+            own = (self.model.config.moba.chunk_size, self.model.config.moba.top_k)
             configs = [own] + [c for c in configs if c != own]
         return [(c, k) for c, k in configs if c < seq_len]
 

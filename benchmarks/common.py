@@ -195,7 +195,7 @@ def attended_pairs(selection) -> int:
 def load_checkpoint_model(path: str | Path, device: torch.device) -> GPT:
     """A flexmoba checkpoint's model; on CPU through the gather backend (same math, and no flex
     kernels compiled just to run the model)."""
-    return load_model(path, device, **({"moba_backend": "gather"} if device.type == "cpu" else {}))
+    return load_model(path, device, **({"moba": {"backend": "gather"}} if device.type == "cpu" else {}))
 
 
 def corpus_tokens(seq_len: int) -> torch.Tensor:

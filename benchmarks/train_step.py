@@ -134,8 +134,8 @@ def main(argv=None) -> None:
     rows = []
     for seq_len in args.seq_lens:
         for attention, backend in variants(args.backends, not args.no_full):
-            config = dataclasses.replace(base, attention=attention,
-                                         moba_backend=backend if attention == "moba" else base.moba_backend)
+            moba = dataclasses.replace(base.moba, backend=backend) if attention == "moba" else base.moba
+            config = dataclasses.replace(base, attention=attention, moba=moba)
             row = {"seq_len": seq_len, "batch": args.batch_size, "attention": attention, "backend": backend,
                    "device": device.type, **run_row(config, seq_len, args, device)}
             rows.append(row)

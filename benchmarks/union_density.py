@@ -73,7 +73,7 @@ def main(argv=None) -> None:
     if args.ckpt is not None:
         model = load_checkpoint_model(args.ckpt, torch.device("cpu"))
         layers = capture_qkv(model, args.seq_len, torch.device("cpu"))
-        chunk, top_k, inputs = model.config.moba_chunk_size, model.config.moba_top_k, "checkpoint"
+        chunk, top_k, inputs = model.config.moba.chunk_size, model.config.moba.top_k, "checkpoint"
     else:
         gen = torch.Generator().manual_seed(args.seq_len)
         layers = [tuple(torch.randn(1, args.heads, args.seq_len, 64, generator=gen) for _ in range(3))]

@@ -14,12 +14,14 @@ from flexmoba.flex_plan import MoBAFlexPlan, moba_flex_plan
 from flexmoba.gate import Selection, moba_selection, select_chunks
 from flexmoba.masks import dense_moba_mask, moba_mask_mod
 from flexmoba.reference import moba_reference
+from flexmoba.spec import MobaSpec
 from flexmoba.varlen import moba_attention_varlen
 
 __all__ = [
     "__version__",
     "MoBAFlexPlan",
     "MoBAKVCache",
+    "MobaSpec",
     "Selection",
     "backend_names",
     "compiled_flex_attention",

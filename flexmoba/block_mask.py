@@ -28,6 +28,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from flexmoba import validation
 from flexmoba.gate import Selection, select_chunks
 from flexmoba.masks import moba_mask_mod
+from flexmoba.spec import Granularity, MobaSpec
 
 DEFAULT_BLOCK_SIZE = 128  # a multiple of the GPU kernel's tile; the CPU kernel takes any
 
@@ -182,10 +183,11 @@ def selection_block_mask(
 def moba_block_mask(
     q: torch.Tensor,
     k: torch.Tensor,
+    spec: MobaSpec | None = None,
     *,
-    chunk_size: int,
-    top_k: int,
-    granularity="token",
+    chunk_size: int | None = None,
+    top_k: int | None = None,
+    granularity: Granularity | None = None,
     document_ids: torch.Tensor | None = None,
     block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
 ) -> BlockMask:
@@ -193,14 +195,13 @@ def moba_block_mask(
 
     Args:
         q: ``[B, H, S, D]``; k: ``[B, H_kv, S, D]``.
-        chunk_size, top_k, granularity, document_ids: as in :func:`moba_selection`.
+        spec (or chunk_size, top_k, granularity), document_ids: as in :func:`moba_selection`.
         block_size: FlexAttention's ``(Q, KV)`` block (an int for both). On GPU keep it a
             multiple of 128; the CPU kernel accepts any size.
 
     The mask's ``mask_mod`` encodes the whole selection; its tables mark a block "full"
     only when every query of the tile attends every key of the block.
     """
-    selection = select_chunks(
-        q, k, chunk_size=chunk_size, top_k=top_k, granularity=granularity, document_ids=document_ids
-    )
+    selection = select_chunks(q, k, spec, chunk_size=chunk_size, top_k=top_k, granularity=granularity,
+                              document_ids=document_ids)
     return selection_block_mask(selection, block_size)

@@ -46,12 +46,16 @@ def load_model(checkpoint: str | Path | dict, device: str | torch.device = "cpu"
 
     Args:
         checkpoint: a path, or a dict from :func:`read_checkpoint`.
-        overrides: :class:`ModelConfig` fields to change before the model is built, e.g.
-            ``moba_top_k=4`` to evaluate with another top-k (the weights do not depend on it).
+        overrides: :class:`ModelConfig` fields to change before the model is built; ``moba``
+            as a dict of the :class:`flexmoba.MobaSpec` fields to change, e.g.
+            ``moba={"top_k": 4}`` to evaluate with another top-k (the weights do not depend on it).
     """
     if not isinstance(checkpoint, dict):
         checkpoint = read_checkpoint(checkpoint)
-    config = dataclasses.replace(checkpoint_config(checkpoint), **overrides)
+    config = checkpoint_config(checkpoint)
+    if isinstance(overrides.get("moba"), dict):
+        overrides["moba"] = dataclasses.replace(config.moba, **overrides["moba"])
+    config = dataclasses.replace(config, **overrides)
     state = checkpoint.get("state_dict", checkpoint)
     model_state = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
     model = GPT(config)

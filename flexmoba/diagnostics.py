@@ -13,30 +13,34 @@ from __future__ import annotations
 
 import torch
 
+from flexmoba import validation
 from flexmoba.gate import Selection, select_chunks
 from flexmoba.masks import dense_moba_mask
+from flexmoba.spec import MobaSpec
 
 
 @torch.no_grad()
 def gate_recall(
     q: torch.Tensor,
     k: torch.Tensor,
+    spec: MobaSpec | None = None,
     *,
-    chunk_size: int,
-    top_k: int,
+    chunk_size: int | None = None,
+    top_k: int | None = None,
     scale: float | None = None,
     query_block: int = 1024,
 ) -> torch.Tensor:
     """``[B, H, S]`` fraction of each query's full-attention probability on MoBA's keys.
 
     ``q: [B, H, S, D]``, ``k: [B, H_kv, S, D]``. Full attention is computed in blocks of
-    ``query_block`` queries, so memory stays ``O(query_block · S)``.
+    ``query_block`` queries, so memory stays ``O(query_block · S)``. MoBA's settings as ``spec``
+    or keywords (see :func:`flexmoba.select_chunks`).
     """
-    selection = select_chunks(q, k, chunk_size=chunk_size, top_k=top_k)
+    selection = select_chunks(q, k, spec, chunk_size=chunk_size, top_k=top_k)
     mask = dense_moba_mask(selection)  # [B, H, S, S]
     B, H, S, D = q.shape
     k = k.float().repeat_interleave(H // k.shape[1], dim=1)
-    scale = D ** -0.5 if scale is None else scale
+    scale = validation.softmax_scale(scale, q)
     causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
     recall = torch.empty(B, H, S, device=q.device)
     for start in range(0, S, query_block):

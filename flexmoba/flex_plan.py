@@ -43,10 +43,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask
 
+from flexmoba import validation
 from flexmoba.block_mask import DEFAULT_BLOCK_SIZE, interval_block_tables
 from flexmoba.compiled_flex import compiled_flex_attention
 from flexmoba.gate import Selection, select_chunks
 from flexmoba.gather import selected_pairs
+from flexmoba.spec import Granularity, MobaSpec
 
 # Below this the sink's p carries too few significant bits to give LSE to fp32 precision.
 SINK_MIN_P = 1e-30
@@ -103,7 +105,7 @@ class MoBAFlexPlan:
         return the log-sum-exp (``return_aux``).
         """
         flex = compiled_flex_attention() if flex is None else flex
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        scale = validation.softmax_scale(scale, q)
         virtual_q = self.gather_queries(q)
         if self.sink:
             out, lse = _flex_with_sink(flex, self, virtual_q, q, k, v, scale)
@@ -312,19 +314,20 @@ def _direct_lse(plan: MoBAFlexPlan, virtual_q, k, scale, rows: torch.Tensor) -> 
 def moba_flex_plan(
     q: torch.Tensor,
     k: torch.Tensor,
+    spec: MobaSpec | None = None,
     *,
-    chunk_size: int,
-    top_k: int,
+    chunk_size: int | None = None,
+    top_k: int | None = None,
+    granularity: Granularity | None = None,
     document_ids: torch.Tensor | None = None,
     block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
-    granularity="token",
     sink: bool | None = None,
 ) -> MoBAFlexPlan:
     """Gate ``q`` against ``k`` and plan exact, block-sparse MoBA through FlexAttention.
 
     Args:
         q: ``[B, H, S, D]``; k: ``[B, H_kv, S, D]``.
-        chunk_size, top_k, document_ids, granularity: as in :func:`flexmoba.moba_selection`.
+        spec (or chunk_size, top_k, granularity), document_ids: as in :func:`flexmoba.moba_selection`.
         block_size: FlexAttention's ``(Q, KV)`` block (an int for both); on GPU a multiple of 128.
         sink: recover the log-sum-exp with a sink key (default: on CPU, where compiled flex
             cannot return it).
@@ -332,7 +335,7 @@ def moba_flex_plan(
     Returns:
         A :class:`MoBAFlexPlan`; ``plan.attention(q, k, v)`` runs it.
     """
-    selection = select_chunks(q, k, chunk_size=chunk_size, top_k=top_k, granularity=granularity,
+    selection = select_chunks(q, k, spec, chunk_size=chunk_size, top_k=top_k, granularity=granularity,
                               document_ids=document_ids)
     sink = q.device.type == "cpu" if sink is None else bool(sink)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)

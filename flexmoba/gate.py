@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from flexmoba import validation
 from flexmoba.layout import ChunkLayout, chunk_layout
+from flexmoba.spec import Granularity, MobaSpec, resolve_spec
 
 
 @dataclass(frozen=True)
@@ -164,10 +165,11 @@ def select_past_chunks(scores: torch.Tensor, own: torch.Tensor, top_k: int) -> t
 def select_chunks(
     q: torch.Tensor,
     k: torch.Tensor,
+    spec: MobaSpec | None = None,
     *,
-    chunk_size: int,
-    top_k: int,
-    granularity="token",
+    chunk_size: int | None = None,
+    top_k: int | None = None,
+    granularity: Granularity | None = None,
     document_ids: torch.Tensor | None = None,
     layout: ChunkLayout | None = None,
 ) -> Selection:
@@ -176,9 +178,11 @@ def select_chunks(
     Args:
         q: ``[B, H, S, D]`` queries.
         k: ``[B, H_kv, S, D]`` keys, ``H % H_kv == 0``.
+        spec: MoBA's settings (:class:`flexmoba.MobaSpec`; its backend is not the gate's
+            concern), or give them as keywords:
         chunk_size: tokens per chunk (chunks restart at each document start).
         top_k: chunks per query, counting its own chunk.
-        granularity: ``"token"`` (the paper) or an int tile size dividing ``chunk_size``.
+        granularity: ``"token"`` (the paper, the default) or an int tile size dividing ``chunk_size``.
         document_ids: optional ``[B, S]`` ints; each run of equal ids is one document.
         layout: the :func:`flexmoba.layout.chunk_layout` of these documents, when the caller
             built it already (a model builds it once per forward for all its layers).
@@ -186,8 +190,9 @@ def select_chunks(
     Returns:
         The :class:`Selection`.
     """
-    chunk_size, top_k, granularity = validation.check_selection_args(q, k, chunk_size, top_k, granularity,
-                                                                     document_ids)
+    spec = resolve_spec(spec, chunk_size, top_k, granularity)
+    validation.check_gate_inputs(q, k, document_ids)
+    chunk_size, top_k, granularity = spec.chunk_size, spec.top_k, spec.granularity
     B, H, S, _ = q.shape
     if layout is None:
         layout = chunk_layout(B, S, chunk_size, q.device, document_ids)
@@ -207,10 +212,11 @@ def select_chunks(
 def moba_selection(
     q: torch.Tensor,
     k: torch.Tensor,
+    spec: MobaSpec | None = None,
     *,
-    chunk_size: int,
-    top_k: int,
-    granularity="token",
+    chunk_size: int | None = None,
+    top_k: int | None = None,
+    granularity: Granularity | None = None,
     document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Which chunks each query attends, own chunk included (arguments as :func:`select_chunks`).
@@ -219,5 +225,5 @@ def moba_selection(
         ``[B, H, S, ceil(S / chunk_size)]`` bool; index j is the j-th chunk of the
         query's own document.
     """
-    return select_chunks(q, k, chunk_size=chunk_size, top_k=top_k, granularity=granularity,
+    return select_chunks(q, k, spec, chunk_size=chunk_size, top_k=top_k, granularity=granularity,
                          document_ids=document_ids).chunks

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from flexmoba import validation
 from flexmoba.gate import Selection
 
 
@@ -329,7 +330,7 @@ def gather_moba_attention(
 
     ``query_block``: a past chunk's queries run as a batch of blocks of this many rows.
     """
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scale = validation.softmax_scale(scale, q)
     with torch.no_grad():
         pairs = past_pairs(selection, k.shape[1])
         own = own_segments(selection, q.shape[1], k.shape[1]) if selection.layout.has_documents else None

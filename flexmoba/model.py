@@ -13,7 +13,7 @@ the paper's training-phase hybrid (MoBA first, full attention at the end).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -24,6 +24,7 @@ from flexmoba.decode import dense_decode_attention, moba_decode_attention
 from flexmoba.flops import keys_attended_full, keys_attended_moba
 from flexmoba.kv_cache import MoBAKVCache
 from flexmoba.layout import ChunkLayout, chunk_layout
+from flexmoba.spec import MobaSpec
 
 ATTENTION_KINDS = ("moba", "full")
 TRAINING_MULTIPLIER = 3  # forward + backward (~2x forward)
@@ -44,11 +45,8 @@ class ModelConfig:
         tie_embeddings: share the token embedding with the output projection.
         rope_base: RoPE frequency base.
         attention: ``"moba"`` or ``"full"`` for every layer not forced full below.
-        moba_chunk_size: MoBA block (chunk) size in tokens.
-        moba_top_k: chunks each query attends, its own chunk included.
-        moba_granularity: ``"token"`` (the paper) or an int tile size dividing the chunk size.
-        moba_backend: backend name passed to :func:`flexmoba.moba_attention` (``"auto"`` picks
-            per device, sequence length and grad mode).
+        moba: MoBA's chunk size, top-k, granularity and backend (:class:`flexmoba.MobaSpec`;
+            ``"auto"`` picks the backend per device, sequence length and grad mode).
         full_attention_last_n_layers: the last N layers use full attention (layer hybrid).
         init_std: std of the normal init of linear and embedding weights.
     """
@@ -62,10 +60,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     rope_base: float = 10000.0
     attention: str = "moba"
-    moba_chunk_size: int = 128
-    moba_top_k: int = 3
-    moba_granularity: str | int = "token"
-    moba_backend: str = "auto"
+    moba: MobaSpec = field(default_factory=lambda: MobaSpec(chunk_size=128, top_k=3))
     full_attention_last_n_layers: int = 0
     init_std: float = 0.02
 
@@ -74,8 +69,11 @@ class ModelConfig:
             self.n_kv_heads = self.n_heads
         if self.mlp_hidden is None:
             self.mlp_hidden = 32 * math.ceil(8 * self.d_model / 3 / 32)
-        for name in ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "mlp_hidden",
-                     "moba_chunk_size", "moba_top_k"):
+        if isinstance(self.moba, dict):  # as saved in a checkpoint
+            self.moba = MobaSpec(**self.moba)
+        if not isinstance(self.moba, MobaSpec):
+            raise TypeError(f"ModelConfig.moba must be a MobaSpec, got {type(self.moba).__name__}")
+        for name in ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "mlp_hidden"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
@@ -92,8 +90,6 @@ class ModelConfig:
                 f"ModelConfig.full_attention_last_n_layers must be in [0, n_layers={self.n_layers}], "
                 f"got {self.full_attention_last_n_layers}"
             )
-        if isinstance(self.moba_granularity, str) and self.moba_granularity.isdigit():
-            self.moba_granularity = int(self.moba_granularity)  # from a CLI string
 
     @property
     def head_dim(self) -> int:
@@ -135,7 +131,7 @@ class ModelConfig:
         counts the backward as twice the forward.
         """
         pairs = {"full": keys_attended_full(seq_len),
-                 "moba": keys_attended_moba(seq_len, self.moba_chunk_size, self.moba_top_k)}
+                 "moba": keys_attended_moba(seq_len, self.moba.chunk_size, self.moba.top_k)}
         attended = sum(pairs[kind] for kind in layer_attention or self.layer_attention())
         forward = 4 * self.n_heads * self.head_dim * attended
         return forward * (TRAINING_MULTIPLIER if training else 1)
@@ -150,7 +146,7 @@ class ModelConfig:
 
     def attention_sparsity(self, seq_len: int) -> float:
         """Share of causal (query, key) pairs MoBA skips at ``seq_len`` (0 when it equals full attention)."""
-        return 1.0 - keys_attended_moba(seq_len, self.moba_chunk_size, self.moba_top_k) / keys_attended_full(seq_len)
+        return 1.0 - keys_attended_moba(seq_len, self.moba.chunk_size, self.moba.top_k) / keys_attended_full(seq_len)
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,14 +200,7 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             y = self._attend_cached(q, k, v, cache)
         elif self.active_kind == "moba":
-            y = moba_attention(
-                q, k, v,
-                chunk_size=cfg.moba_chunk_size,
-                top_k=cfg.moba_top_k,
-                granularity=cfg.moba_granularity,
-                backend=cfg.moba_backend,
-                layout=layout,
-            )
+            y = moba_attention(q, k, v, cfg.moba, layout=layout)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=cfg.n_kv_heads != cfg.n_heads)
         return self.wo(y.transpose(1, 2).reshape(B, S, cfg.n_heads * cfg.head_dim))
@@ -220,7 +209,7 @@ class CausalSelfAttention(nn.Module):
         """Append k, v to the cache; attend the new queries over it (MoBA decode or full causal)."""
         cache.update(k, v)
         if self.active_kind == "moba":
-            return moba_decode_attention(q, cache, top_k=self.config.moba_top_k)
+            return moba_decode_attention(q, cache, top_k=self.config.moba.top_k)
         return dense_decode_attention(q, cache)
 
 
@@ -306,7 +295,7 @@ class GPT(nn.Module):
         past = caches[0].length if caches else 0
         cos, sin = rope_tables(past + S, cfg.head_dim, cfg.rope_base, tokens.device)
         cos, sin = cos[past:], sin[past:]
-        layout = None if caches else chunk_layout(B, S, cfg.moba_chunk_size, tokens.device)  # shared by all layers
+        layout = None if caches else chunk_layout(B, S, cfg.moba.chunk_size, tokens.device)  # shared by all layers
         x = self.tok_emb(tokens)
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, layout, caches[i] if caches else None)
@@ -314,7 +303,7 @@ class GPT(nn.Module):
 
     def new_caches(self, dense_decode: bool = False) -> list[MoBAKVCache]:
         """One empty cache per layer; ``dense_decode`` gives every query attending them full attention."""
-        return [MoBAKVCache(self.config.moba_chunk_size, dense_decode=dense_decode) for _ in self.blocks]
+        return [MoBAKVCache(self.config.moba.chunk_size, dense_decode=dense_decode) for _ in self.blocks]
 
     @torch.no_grad()
     def generate(
@@ -334,7 +323,7 @@ class GPT(nn.Module):
         tokens full attention, the paper's protocol. Tile granularity has no decode path, so
         it re-runs the whole sequence per token, as ``use_cache=False`` does.
         """
-        use_cache = use_cache and self.config.moba_granularity == "token"
+        use_cache = use_cache and self.config.moba.granularity == "token"
         caches = self.new_caches(dense_decode) if use_cache else None
         tokens, step_input = prompt, prompt
         for _ in range(max_new_tokens):

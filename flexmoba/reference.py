@@ -7,33 +7,34 @@ import torch
 from flexmoba import validation
 from flexmoba.gate import select_chunks
 from flexmoba.masks import dense_moba_mask
+from flexmoba.spec import Granularity, MobaSpec
 
 
 def moba_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    spec: MobaSpec | None = None,
     *,
-    chunk_size: int,
-    top_k: int,
-    granularity="token",
+    chunk_size: int | None = None,
+    top_k: int | None = None,
+    granularity: Granularity | None = None,
     scale: float | None = None,
     document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MoBA as ``softmax(q k^T * scale + mask) v`` in fp32; differentiable, any device.
 
-    ``q: [B, H, S, D]``, ``k, v: [B, H_kv, S, D]`` -> ``[B, H, S, D]`` in q's dtype.
+    ``q: [B, H, S, D]``, ``k, v: [B, H_kv, S, D]`` -> ``[B, H, S, D]`` in q's dtype; MoBA's
+    settings as ``spec`` or keywords (see :func:`flexmoba.select_chunks`).
     """
     validation.check_qkv(q, k, v)
-    scale = validation.check_scale(scale)
-    selection = select_chunks(
-        q, k, chunk_size=chunk_size, top_k=top_k, granularity=granularity, document_ids=document_ids
-    )
+    scale = validation.softmax_scale(scale, q)
+    selection = select_chunks(q, k, spec, chunk_size=chunk_size, top_k=top_k, granularity=granularity,
+                              document_ids=document_ids)
     mask = dense_moba_mask(selection)  # [B, H, S, S]
     group = q.shape[1] // k.shape[1]
     k32 = k.float().repeat_interleave(group, dim=1)
     v32 = v.float().repeat_interleave(group, dim=1)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
     logits = (q.float() @ k32.transpose(-1, -2)) * scale
     probs = logits.masked_fill(~mask, float("-inf")).softmax(dim=-1)
     return (probs @ v32).to(q.dtype)

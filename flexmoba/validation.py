@@ -10,8 +10,6 @@ import numbers
 
 import torch
 
-from flexmoba import backends
-
 
 def check_positive_int(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -21,24 +19,19 @@ def check_positive_int(value, name: str) -> int:
     return int(value)
 
 
-def check_granularity(granularity, chunk_size: int) -> str | int:
+def check_granularity(granularity, chunk_size: int, name: str = "granularity") -> str | int:
     """``"token"`` or a positive int ``g`` that divides ``chunk_size``."""
     if granularity == "token":
         return granularity
     if isinstance(granularity, str):
-        raise ValueError(f"granularity must be 'token' or a positive int, got {granularity!r}")
-    g = check_positive_int(granularity, "granularity")
+        raise ValueError(f"{name} must be 'token' or a positive int, got {granularity!r}")
+    g = check_positive_int(granularity, name)
     if chunk_size % g != 0:
         raise ValueError(
-            f"granularity={g} must divide chunk_size={chunk_size}: a tile of queries shares "
+            f"{name}={g} must divide chunk_size={chunk_size}: a tile of queries shares "
             "one selection, so it must not straddle a chunk boundary"
         )
     return g
-
-
-def check_backend(backend) -> str:
-    """``"auto"`` or a registered backend name."""
-    return backends.check_backend(backend)
 
 
 def check_scale(scale) -> float | None:
@@ -47,6 +40,12 @@ def check_scale(scale) -> float | None:
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     return float(scale)
+
+
+def softmax_scale(scale, q: torch.Tensor) -> float:
+    """The checked ``scale``, by default ``D ** -0.5`` for ``q: [..., D]``."""
+    scale = check_scale(scale)
+    return q.shape[-1] ** -0.5 if scale is None else scale
 
 
 def check_tensor(x, name: str, ndim: int) -> None:
@@ -88,14 +87,10 @@ def check_qkv(q, k, v) -> None:
         raise ValueError(f"v must be [B, H_kv, S, Dv] like k {tuple(k.shape[:3])}, got {tuple(v.shape)}")
 
 
-def check_selection_args(q, k, chunk_size, top_k, granularity, document_ids) -> tuple[int, int, str | int]:
-    """Everything the gate reads; returns ``(chunk_size, top_k, granularity)`` normalised."""
+def check_gate_inputs(q, k, document_ids) -> None:
+    """The tensors the gate reads (its settings are a checked :class:`flexmoba.spec.MobaSpec`)."""
     check_qk(q, k)
-    chunk_size = check_positive_int(chunk_size, "chunk_size")
-    top_k = check_positive_int(top_k, "top_k")
-    granularity = check_granularity(granularity, chunk_size)
     check_document_ids(document_ids, q)
-    return chunk_size, top_k, granularity
 
 
 def check_layout(layout, batch: int, seq_len: int, chunk_size: int, document_ids) -> None:

@@ -6,6 +6,7 @@ import torch
 
 from flexmoba import validation
 from flexmoba.attention import moba_attention
+from flexmoba.spec import MobaSpec
 
 
 def document_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
@@ -19,9 +20,7 @@ def moba_attention_varlen(
     k: torch.Tensor,
     v: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    *,
-    chunk_size: int,
-    top_k: int,
+    spec: MobaSpec | None = None,
     **kwargs,
 ) -> torch.Tensor:
     """MoBA over packed documents.
@@ -29,8 +28,9 @@ def moba_attention_varlen(
     Args:
         q: ``[T, H, D]``; k, v: ``[T, H_kv, D]``: the documents laid end to end.
         cu_seqlens: ``[n_docs + 1]`` int boundaries, ``0 = c_0 < c_1 < ... < c_n = T``.
-        chunk_size, top_k: as in :func:`moba_attention`.
-        **kwargs: ``granularity``, ``backend``, ``scale`` of :func:`moba_attention`.
+        spec: MoBA's settings, or give them in ``kwargs``.
+        **kwargs: ``chunk_size``, ``top_k``, ``granularity``, ``backend``, ``scale`` of
+            :func:`moba_attention`.
 
     Returns:
         ``[T, H, D]``.
@@ -48,6 +48,6 @@ def moba_attention_varlen(
 
     out = moba_attention(
         batched(q), batched(k), batched(v),
-        chunk_size=chunk_size, top_k=top_k, document_ids=document_ids, **kwargs,
+        spec, document_ids=document_ids, **kwargs,
     )
     return out[0].transpose(0, 1)

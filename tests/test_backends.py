@@ -10,7 +10,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from flexmoba import backend_names, moba_attention, moba_attention_varlen, register_backend
 from flexmoba import backends as backend_table
-from flexmoba.attention import CPU_GATHER_MIN_SEQ, CPU_TILE_FLEX_MIN_SEQ, resolve_backend
+from flexmoba.backends import CPU_GATHER_MIN_SEQ, CPU_TILE_FLEX_MIN_SEQ, resolve_backend
 from flexmoba.gate import Selection
 
 import oracle

@@ -3,10 +3,11 @@
 import pytest
 import torch
 
+from flexmoba import MobaSpec
 from flexmoba.flops import keys_attended_full, keys_attended_moba
 from flexmoba.model import GPT, ModelConfig
 
-TINY = dict(n_layers=2, d_model=32, n_heads=4, n_kv_heads=None, moba_chunk_size=16, moba_top_k=2, moba_backend="sdpa")
+TINY = dict(n_layers=2, d_model=32, n_heads=4, n_kv_heads=None, moba=MobaSpec(16, 2, backend="sdpa"))
 
 
 def tiny(**overrides) -> ModelConfig:
@@ -19,7 +20,7 @@ def tokens(batch=2, seq_len=64, seed=0):
 
 @pytest.mark.parametrize("overrides", [
     {}, {"n_kv_heads": 2}, {"n_kv_heads": 1, "tie_embeddings": False}, {"attention": "full"},
-    {"full_attention_last_n_layers": 1}, {"moba_granularity": 4},
+    {"full_attention_last_n_layers": 1}, {"moba": MobaSpec(16, 2, granularity=4, backend="sdpa")},
 ])
 def test_logits_shape(overrides):
     model = GPT(tiny(**overrides))
@@ -65,7 +66,7 @@ def test_hybrid_layers_and_runtime_override():
 
 def test_moba_covering_the_sequence_equals_full_attention():
     torch.manual_seed(0)
-    moba = GPT(tiny(moba_chunk_size=32, moba_top_k=2)).eval()  # 32 * 2 >= 64
+    moba = GPT(tiny(moba=MobaSpec(32, 2, backend="sdpa"))).eval()  # 32 * 2 >= 64
     full = GPT(tiny(attention="full")).eval()
     full.load_state_dict(moba.state_dict())
     with torch.no_grad():
@@ -74,7 +75,7 @@ def test_moba_covering_the_sequence_equals_full_attention():
 
 def test_sparse_moba_differs_from_full_attention():
     torch.manual_seed(0)
-    model = GPT(tiny(moba_chunk_size=8, moba_top_k=2)).eval()
+    model = GPT(tiny(moba=MobaSpec(8, 2, backend="sdpa"))).eval()
     with torch.no_grad():
         moba_logits = model(tokens())
         model.set_attention_override("full")
@@ -105,21 +106,21 @@ def test_keys_attended_by_hand():
 
 
 def test_flop_accounting():
-    config = tiny(moba_chunk_size=2, moba_top_k=2, n_layers=2, full_attention_last_n_layers=1)
+    config = tiny(moba=MobaSpec(2, 2, backend="sdpa"), n_layers=2, full_attention_last_n_layers=1)
     per_pair = 4 * config.n_heads * config.head_dim
     expected = per_pair * (keys_attended_moba(6, 2, 2) + keys_attended_full(6))
     assert config.attention_flops_per_sequence(6, training=False) == expected
     assert config.attention_flops_per_sequence(6) == 3 * expected
     assert config.dense_flops_per_token() == 6 * config.num_parameters(non_embedding=True)
-    assert tiny(moba_chunk_size=32, moba_top_k=2).attention_sparsity(64) == 0.0
+    assert tiny(moba=MobaSpec(32, 2, backend="sdpa")).attention_sparsity(64) == 0.0
 
 
 @pytest.mark.parametrize("attention, kv_heads", [("moba", 2), ("moba", 4), ("full", 2)])
 def test_cached_decoding_equals_one_parallel_forward(attention, kv_heads):
     torch.manual_seed(0)
     config = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=kv_heads, attention=attention,
-                         moba_chunk_size=8, moba_top_k=2, full_attention_last_n_layers=1 if attention == "moba" else 0,
-                         moba_backend="sdpa")
+                         moba=MobaSpec(8, 2, backend="sdpa"),
+                         full_attention_last_n_layers=1 if attention == "moba" else 0)
     model = GPT(config).eval()
     tokens = torch.randint(0, 256, (2, 45))
     with torch.no_grad():
@@ -132,8 +133,7 @@ def test_cached_decoding_equals_one_parallel_forward(attention, kv_heads):
 
 def test_generate_with_and_without_cache_agree():
     torch.manual_seed(0)
-    model = GPT(ModelConfig(n_layers=2, d_model=32, n_heads=2, moba_chunk_size=4, moba_top_k=2,
-                            moba_backend="sdpa")).eval()
+    model = GPT(ModelConfig(n_layers=2, d_model=32, n_heads=2, moba=MobaSpec(4, 2, backend="sdpa"))).eval()
     prompt = torch.randint(0, 256, (1, 10))
     cached = model.generate(prompt, 20)
     recomputed = model.generate(prompt, 20, use_cache=False)

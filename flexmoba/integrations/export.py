@@ -51,10 +51,10 @@ def moba_settings(config: ModelConfig, layer_attention: list[str]) -> dict:
     n_full = len(layer_attention) - layer_attention.index("full") if "full" in layer_attention else 0
     if layer_attention != ["moba"] * (len(layer_attention) - n_full) + ["full"] * n_full:
         raise ValueError(f"only MoBA layers followed by full ones can be exported, got {layer_attention}")
-    settings = {"chunk_size": config.moba_chunk_size, "top_k": config.moba_top_k,
+    settings = {"chunk_size": config.moba.chunk_size, "top_k": config.moba.top_k,
                 "full_attention_last_n_layers": n_full}
-    if config.moba_granularity != "token":
-        settings["granularity"] = config.moba_granularity
+    if config.moba.granularity != "token":
+        settings["granularity"] = config.moba.granularity
     return settings
 
 

@@ -63,6 +63,7 @@ from flexmoba import validation
 from flexmoba.attention import moba_attention
 from flexmoba.decode import decode_attention, dense_causal_attention
 from flexmoba.kv_cache import ChunkKeySums
+from flexmoba.spec import MobaSpec
 
 MIN_TRANSFORMERS = "4.48"  # first release with transformers.AttentionInterface
 CONFIG_KEY = "moba"  # the model config's attribute holding its MoBA settings
@@ -123,12 +124,16 @@ class MobaSettings:
         n_full = self.full_attention_last_n_layers
         if not isinstance(n_full, int) or isinstance(n_full, bool) or n_full < 0:
             raise ValueError(f"full_attention_last_n_layers must be an int >= 0, got {n_full!r}")
-        if self.chunk_size is not None:
-            validation.check_granularity(self.granularity, self.chunk_size)
-        validation.check_backend(self.backend)
         validation.check_bool(self.dense_decode, "dense_decode")
         if self.chunk_means not in ("running", "recompute"):
             raise ValueError(f"chunk_means must be 'running' or 'recompute', got {self.chunk_means!r}")
+        if self.chunk_size is not None and self.top_k is not None:
+            _ = self.spec  # complete: MobaSpec checks the MoBA fields now
+
+    @functools.cached_property
+    def spec(self) -> MobaSpec:
+        """The MoBA fields as one :class:`flexmoba.MobaSpec` (complete settings only)."""
+        return MobaSpec(self.chunk_size, self.top_k, self.granularity, self.backend)
 
     def as_config(self) -> dict:
         """The settings as a ``config.moba`` dict (defaults left out)."""
@@ -262,8 +267,7 @@ def prefill_attention(query, key, value, documents, settings: MobaSettings, full
     """MoBA (or full causal attention in a full layer) within each document -> ``[B, H, S, D]``."""
     if full:
         return full_causal_attention(query, key, value, documents, scaling)
-    return moba_attention(query, key, value, chunk_size=settings.chunk_size, top_k=settings.top_k,
-                          granularity=settings.granularity, backend=settings.backend, scale=scaling,
+    return moba_attention(query, key, value, settings.spec, scale=scaling,
                           document_ids=documents)
 
 

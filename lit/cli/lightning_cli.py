@@ -19,7 +19,6 @@ TensorBoard. ``predict`` writes ``<root>/predictions/predictions-rank<R>.jsonl``
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import os
 import re
@@ -33,10 +32,9 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
-from flexmoba import validation
 from flexmoba.checkpoint import checkpoint_config, read_checkpoint
 from flexmoba.model import ModelConfig
-from lit.cli.options import with_suggestion
+from lit.cli.options import option_names, with_suggestion
 from lit.training.data import CorpusError, PythonSourceData
 from lit.training.guards import (
     AtomicCheckpointIO,
@@ -113,24 +111,21 @@ class OneLineErrorParser(LightningArgumentParser):
         """Every option this parser takes, the model config's and the default data module's included."""
         names = [name for name in self._option_string_actions if name.startswith("--")]
         data = [f"--data.{name}" for name in inspect.signature(PythonSourceData).parameters]
-        return names + [f"--model.config.{f.name}" for f in dataclasses.fields(ModelConfig)] + data
+        return names + option_names(ModelConfig, "--model.config.") + data
 
 
 def model_config_problem(fields: dict) -> str | None:
     """Why these ``ModelConfig`` fields cannot build a model, naming the option, or None."""
     try:
-        config = ModelConfig(**fields)
+        ModelConfig(**fields)
     except (TypeError, ValueError) as error:
-        field = re.match(r"ModelConfig\.(\w+) (.*)", str(error), re.DOTALL)
-        return f"--model.config.{field[1]}: {field[2]}" if field else f"--model.config: {error}"
-    checks = (("moba_granularity", lambda: validation.check_granularity(config.moba_granularity,
-                                                                      config.moba_chunk_size)),
-              ("moba_backend", lambda: validation.check_backend(config.moba_backend)))
-    for name, check in checks:
-        try:
-            check()
-        except (TypeError, ValueError) as error:
-            return f"--model.config.{name}: {error}"
+        # "ModelConfig.d_model=30 must be ..." or "MobaSpec.top_k must be ...": the option, then the rule
+        field = re.match(r"(ModelConfig|MobaSpec)\.(\w+)( |=)(.*)", str(error), re.DOTALL)
+        if not field:
+            return f"--model.config: {error}"
+        kind, name, separator, rule = field.groups()
+        option = ("--model.config." if kind == "ModelConfig" else "--model.config.moba.") + name
+        return f"{option}: {rule if separator == ' ' else name + '=' + rule}"
     return None
 
 

@@ -12,7 +12,7 @@ import difflib
 import re
 import sys
 from dataclasses import fields, is_dataclass
-from typing import TypeVar
+from typing import TypeVar, get_type_hints
 
 T = TypeVar("T")
 
@@ -35,17 +35,18 @@ def one_line(error: Exception) -> str:
     return " ".join(line.strip() for line in str(error).splitlines()[:2])
 
 
-def nested_dataclass(f) -> type | None:
-    """The dataclass a field holds (its default factory), if any."""
-    return f.default_factory if is_dataclass(f.default_factory) else None
+def nested_dataclass(cls: type, name: str) -> type | None:
+    """The dataclass that field ``name`` of dataclass ``cls`` holds, if any."""
+    hint = get_type_hints(cls).get(name)
+    return hint if is_dataclass(hint) else None
 
 
 def option_names(cls, prefix: str = "--") -> list[str]:
     names = []
     for f in fields(cls):
         names.append(prefix + f.name)
-        if nested_dataclass(f):
-            names += option_names(nested_dataclass(f), f"{prefix}{f.name}.")
+        if nested_dataclass(cls, f.name):
+            names += option_names(nested_dataclass(cls, f.name), f"{prefix}{f.name}.")
     return names
 
 
@@ -62,8 +63,9 @@ def with_suggestion(message: str, options: list[str]) -> str:
 def to_dataclass(cls: type[T], namespace) -> T:
     values = {f.name: namespace.as_dict()[f.name] for f in fields(cls)}
     for f in fields(cls):
-        if nested_dataclass(f) and isinstance(values[f.name], dict):
-            values[f.name] = nested_dataclass(f)(**values[f.name])
+        nested = nested_dataclass(cls, f.name)
+        if nested and isinstance(values[f.name], dict):
+            values[f.name] = nested(**values[f.name])
     return cls(**values)
 
 

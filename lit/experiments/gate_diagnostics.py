@@ -108,7 +108,7 @@ def needle_hits(selection, needles: Needles) -> tuple[torch.Tensor, torch.Tensor
 def gate_stats(model: GPT, tokens: torch.Tensor, needles: Needles | None = None) -> list[LayerGateStats]:
     """Diagnostics of every layer of ``model`` on ``tokens: [B, S]``."""
     cfg = model.config
-    chunk, top_k = cfg.moba_chunk_size, cfg.moba_top_k
+    chunk, top_k = cfg.moba.chunk_size, cfg.moba.top_k
     nontrivial = torch.arange(tokens.shape[1], device=tokens.device) >= chunk * top_k
     layout = chunk_layout(*tokens.shape, chunk, tokens.device)  # one for all layers
     stats = []
@@ -225,7 +225,7 @@ class GateDiagnostics(L.Callback):
             folder = run_folder(trainer) / "diagnostics"
             folder.mkdir(parents=True, exist_ok=True)
             cfg = pl_module.config
-            title = f"step {trainer.global_step}: chunk {cfg.moba_chunk_size}, top-{cfg.moba_top_k}"
+            title = f"step {trainer.global_step}: chunk {cfg.moba.chunk_size}, top-{cfg.moba.top_k}"
             plot_gate_stats(self.last_stats, folder / f"gate_step{trainer.global_step:06d}.png", title)
 
 

@@ -392,14 +392,14 @@ def main(argv: list[str] | None = None) -> None:
     job = parse_dataclass(EvaluateJob, argv[1:], prog="flexmoba retrieval evaluate", description=__doc__)
     model, data = load_run(
         job.ckpt,
-        given(moba_chunk_size=job.moba_chunk_size, moba_top_k=job.moba_top_k),
+        given(moba=given(chunk_size=job.moba_chunk_size, top_k=job.moba_top_k) or None),
         given(eval_lengths=job.lengths, eval_depths=job.depths, eval_samples=job.samples),
     )
     model.to(resolve_device(job.device))
     if job.attention:
         model.set_attention_override(job.attention)
     cfg, kinds = model.config, model.layer_attention()
-    routing = "" if "moba" not in kinds else f", chunk {cfg.moba_chunk_size} top-{cfg.moba_top_k}"
+    routing = "" if "moba" not in kinds else f", chunk {cfg.moba.chunk_size} top-{cfg.moba.top_k}"
     title = job.title or f"layers {'/'.join(kinds)}{routing}"
     rows = evaluate_retrieval(model, data)
     out = write_report(rows, job.out, title)

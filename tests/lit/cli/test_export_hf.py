@@ -9,6 +9,7 @@ pytest.importorskip("transformers")
 L = pytest.importorskip("lightning")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+from flexmoba import MobaSpec  # noqa: E402
 from flexmoba.checkpoint import load_model  # noqa: E402
 from flexmoba.integrations import transformers as hf  # noqa: E402
 from flexmoba.model import ModelConfig  # noqa: E402
@@ -17,8 +18,7 @@ from lit.training.module import LitLM  # noqa: E402
 
 TOL = dict(rtol=1e-4, atol=1e-4)  # fp32
 S = 40
-TINY = dict(vocab_size=256, d_model=64, n_heads=4, n_kv_heads=2, moba_chunk_size=8, moba_top_k=2,
-            moba_backend="sdpa", init_std=0.1)
+TINY = dict(vocab_size=256, d_model=64, n_heads=4, n_kv_heads=2, moba=MobaSpec(8, 2, backend="sdpa"), init_std=0.1)
 MODELS = {  # name: (ModelConfig fields, phase override, expected config.moba["full_attention_last_n_layers"])
     "moba": (dict(n_layers=2), None, 0),
     "full": (dict(n_layers=2, attention="full", tie_embeddings=False), None, 2),
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def save_tiny_checkpoint(path, fields: dict, override: str | None):
     """A training checkpoint (Lightning's format) of a tiny model with random weights, norms included."""
     torch.manual_seed(0)
-    module = LitLM(ModelConfig(**TINY, **fields), seq_len=64, position_window=16, trailing_window=16)
+    module = LitLM(ModelConfig(**{**TINY, **fields}), seq_len=64, position_window=16, trailing_window=16)
     with torch.no_grad():
         for p in module.model.parameters():
             if p.dim() == 1:  # RMSNorm gains: away from 1 so that a swapped norm shows
@@ -127,7 +127,8 @@ def test_training_checkpoints_hold_plain_data_only(exported, tmp_path):
 
 
 def test_tile_granularity_exports_and_refuses_cached_moba_decoding(tmp_path):
-    ckpt = save_tiny_checkpoint(tmp_path / "tiles.ckpt", dict(n_layers=2, moba_granularity=4), None)
+    tiles = MobaSpec(8, 2, granularity=4, backend="sdpa")
+    ckpt = save_tiny_checkpoint(tmp_path / "tiles.ckpt", dict(n_layers=2, moba=tiles), None)
     out = export_hf.main(["--ckpt", str(ckpt), "--out", str(tmp_path / "hf")])
     ids = tokens()
     with torch.no_grad():

@@ -4,6 +4,7 @@ import lightning as L
 import pytest
 import torch
 
+from flexmoba import MobaSpec
 from flexmoba.model import ModelConfig
 from lit.cli import generate as gen
 from lit.training.module import LitLM
@@ -12,8 +13,8 @@ from lit.training.module import LitLM
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     torch.manual_seed(0)
-    module = LitLM(ModelConfig(n_layers=1, d_model=32, n_heads=2, moba_chunk_size=8, moba_top_k=2,
-                               moba_backend="sdpa"), seq_len=64, position_window=16, trailing_window=16)
+    module = LitLM(ModelConfig(n_layers=1, d_model=32, n_heads=2, moba=MobaSpec(8, 2, backend="sdpa")),
+                   seq_len=64, position_window=16, trailing_window=16)
     trainer = L.Trainer(max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, accelerator="cpu", devices=1)
     trainer.strategy.connect(module)

@@ -4,7 +4,7 @@ import lightning as L
 import pytest
 import torch
 
-from flexmoba import moba_attention
+from flexmoba import MobaSpec, moba_attention
 from flexmoba.model import ModelConfig
 from lit.experiments.gate_diagnostics import GateDiagnostics, capture_queries_keys, gate_stats
 from lit.experiments.retrieval import RetrievalData
@@ -15,8 +15,8 @@ SEQ, CHUNK = 64, 16  # 4 chunks
 
 def tiny_module(top_k: int) -> LitLM:
     torch.manual_seed(0)
-    config = ModelConfig(n_layers=2, d_model=32, n_heads=2, moba_chunk_size=CHUNK, moba_top_k=top_k,
-                         moba_backend="sdpa", full_attention_last_n_layers=1)
+    config = ModelConfig(n_layers=2, d_model=32, n_heads=2, moba=MobaSpec(CHUNK, top_k, backend="sdpa"),
+                         full_attention_last_n_layers=1)
     return LitLM(config, seq_len=SEQ, position_window=16, trailing_window=16)
 
 

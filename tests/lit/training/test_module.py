@@ -10,13 +10,15 @@ import lightning as L
 import pytest
 import torch
 
+from flexmoba import MobaSpec
 from flexmoba.model import ModelConfig
 from lit.training.callbacks import AttentionPhaseSwitch
 from lit.training.data import PythonSourceData
 from lit.training.metrics import IGNORE_INDEX
 from lit.training.module import LitLM, warmup_cosine
 
-TINY = dict(n_layers=2, d_model=32, n_heads=2, n_kv_heads=1, moba_backend="sdpa")
+TINY = dict(n_layers=2, d_model=32, n_heads=2, n_kv_heads=1)
+SDPA = MobaSpec(128, 3, backend="sdpa")
 
 
 def test_warmup_then_cosine():
@@ -32,9 +34,10 @@ def test_warmup_then_cosine():
 def test_moba_loss_equals_full_when_chunks_cover_the_sequence(backend):
     torch.manual_seed(0)
     seq_len = 96
-    moba = LitLM(ModelConfig(**{**TINY, "moba_backend": backend}, moba_chunk_size=32, moba_top_k=3),
+    moba = LitLM(ModelConfig(**TINY, moba=MobaSpec(32, 3, backend=backend)),
                  seq_len=seq_len, position_window=32, trailing_window=32)
-    full = LitLM(ModelConfig(**TINY, attention="full"), seq_len=seq_len, position_window=32, trailing_window=32)
+    full = LitLM(ModelConfig(**TINY, attention="full", moba=SDPA), seq_len=seq_len, position_window=32,
+                 trailing_window=32)
     full.load_state_dict(moba.state_dict())
     inputs = torch.randint(0, 256, (2, seq_len + 1), generator=torch.Generator().manual_seed(1))
     batch = (inputs[:, :-1].contiguous(), inputs[:, 1:].contiguous())
@@ -49,7 +52,7 @@ def test_moba_loss_equals_full_when_chunks_cover_the_sequence(backend):
 
 def test_phase_switch_goes_full_at_the_given_fraction(tmp_path):
     data = PythonSourceData(seq_len=64, batch_size=2, max_files=3, cache_dir=str(tmp_path / "cache"))
-    module = LitLM(ModelConfig(**TINY, moba_chunk_size=16, moba_top_k=2), seq_len=64,
+    module = LitLM(ModelConfig(**TINY, moba=MobaSpec(16, 2, backend="sdpa")), seq_len=64,
                    position_window=32, trailing_window=32, warmup_steps=1)
     seen = []
 
@@ -67,7 +70,7 @@ def test_phase_switch_goes_full_at_the_given_fraction(tmp_path):
     # The switch travels with checkpoints.
     checkpoint = {}
     module.on_save_checkpoint(checkpoint)
-    fresh = LitLM(ModelConfig(**TINY), seq_len=64, position_window=32, trailing_window=32)
+    fresh = LitLM(ModelConfig(**TINY, moba=SDPA), seq_len=64, position_window=32, trailing_window=32)
     fresh.on_load_checkpoint(checkpoint)
     assert fresh.model.layer_attention() == ["full", "full"]
 
@@ -104,7 +107,7 @@ def test_train_loss_averages_over_real_targets_only(tmp_path):
     python_like_corpus(corpus)
     data = PythonSourceData(corpus_dir=str(corpus), seq_len=64, batch_size=4, pad_short_docs=True,
                             val_fraction=0.2, cache_dir=str(tmp_path / "cache"))
-    module = LitLM(ModelConfig(**TINY, moba_chunk_size=8, moba_top_k=2), seq_len=64, position_window=32,
+    module = LitLM(ModelConfig(**TINY, moba=MobaSpec(8, 2, backend="sdpa")), seq_len=64, position_window=32,
                    trailing_window=32, warmup_steps=1)
     checked = []
 
@@ -125,7 +128,8 @@ def test_train_loss_averages_over_real_targets_only(tmp_path):
 
 
 def test_optimizer_decays_matrices_only():
-    module = LitLM(ModelConfig(**TINY, tie_embeddings=False), seq_len=64, position_window=32, trailing_window=32,
+    module = LitLM(ModelConfig(**TINY, tie_embeddings=False, moba=SDPA), seq_len=64, position_window=32,
+                   trailing_window=32,
                    weight_decay=0.25, lr_decay_steps=10)
     groups = module.configure_optimizers()["optimizer"].param_groups
     decay = {id(p) for g in groups if g["weight_decay"] == 0.25 for p in g["params"]}
@@ -146,7 +150,7 @@ def test_a_few_steps_learn_well_below_uniform(tmp_path, corpus_cache):
     Python source must get far below that (about 3.2 is typical)."""
     torch.manual_seed(0)
     data = PythonSourceData(seq_len=64, batch_size=8, max_files=8, cache_dir=str(corpus_cache))
-    module = LitLM(ModelConfig(**TINY, moba_chunk_size=16, moba_top_k=2), seq_len=64, position_window=32,
+    module = LitLM(ModelConfig(**TINY, moba=MobaSpec(16, 2, backend="sdpa")), seq_len=64, position_window=32,
                    trailing_window=32, warmup_steps=2, lr=1e-2)
     trainer = L.Trainer(max_steps=20, limit_val_batches=4, val_check_interval=20, default_root_dir=tmp_path, **QUIET)
     # (A copy: metric states left by validate() are inference tensors that fit() cannot update.)
@@ -159,7 +163,7 @@ def test_a_few_steps_learn_well_below_uniform(tmp_path, corpus_cache):
 
 def test_predict_returns_each_sequence_loss_and_its_greedy_continuation(tmp_path):
     torch.manual_seed(0)
-    module = LitLM(ModelConfig(**TINY, moba_chunk_size=8, moba_top_k=2), seq_len=64, position_window=32,
+    module = LitLM(ModelConfig(**TINY, moba=MobaSpec(8, 2, backend="sdpa")), seq_len=64, position_window=32,
                    trailing_window=32)
     tokens = torch.randint(0, 256, (3, 65), generator=torch.Generator().manual_seed(2))
     inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()

@@ -10,12 +10,13 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ThroughputMonitor
 
+from flexmoba import MobaSpec
 from flexmoba.model import ModelConfig
 from lit.training.metrics import IGNORE_INDEX
 from lit.training.module import LitLM
 from lit.training.throughput import ModelFlopsThroughput
 
-TINY = dict(n_layers=2, d_model=32, n_heads=2, n_kv_heads=1, moba_chunk_size=8, moba_top_k=2, moba_backend="sdpa")
+TINY = dict(n_layers=2, d_model=32, n_heads=2, n_kv_heads=1, moba=MobaSpec(8, 2, backend="sdpa"))
 SEQ_LEN = 32
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import flexmoba_command, read_metrics
 
+from flexmoba import MobaSpec
 from flexmoba.checkpoint import load_model, read_checkpoint
 from flexmoba.model import ModelConfig
 from lit.cli.lightning_cli import one_line_error, run_cli
@@ -157,8 +158,8 @@ def test_guard_stops_at_the_bad_step_and_saves_nothing_from_it(what, name, tmp_p
 
 def test_validation_reports_nan_instead_of_dropping_it():
     """A NaN in one of two validation batches: every metric is NaN (torchmetrics' default would drop it)."""
-    model = LitLM(ModelConfig(n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, moba_chunk_size=16, moba_top_k=2,
-                              moba_backend="sdpa", tie_embeddings=False), seq_len=64, position_window=32,
+    model = LitLM(ModelConfig(n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, moba=MobaSpec(16, 2,
+                  backend="sdpa"), tie_embeddings=False), seq_len=64, position_window=32,
                   trailing_window=32)
     with torch.no_grad():
         model.model.tok_emb.weight[7] = float("nan")
