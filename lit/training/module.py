@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import ThroughputMonitor
 from torch.utils.checkpoint import checkpoint
 
 from flexmoba.model import GPT, ModelConfig
+from lit.training import metric_names as names
 from lit.training.metrics import IGNORE_INDEX, TokenMeanLoss, WindowedLoss, position_windows
 from lit.training.metrics import trailing_window as trailing_positions
 from lit.training.throughput import ModelFlopsThroughput
@@ -99,7 +100,7 @@ class LitLM(L.LightningModule):
         token_loss, targets = self.token_losses(batch)
         n_tokens = (targets != IGNORE_INDEX).sum()
         loss = token_loss.sum() / n_tokens.clamp(min=1)
-        self.log("train/loss", loss, prog_bar=True)
+        self.log(names.loss("train"), loss, prog_bar=True)
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         self.log("train/moba_layers", float(self.model.layer_attention().count("moba")))
         return loss
@@ -136,17 +137,17 @@ class LitLM(L.LightningModule):
 
     def _log_eval(self, stage: str) -> None:
         loss = self.metrics[f"{stage}_loss"].compute()
-        self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=True)
-        self.log(f"{stage}/ppl", torch.exp(loss), sync_dist=True)
-        self.log(f"{stage}/bpb", loss / math.log(2), sync_dist=True)  # tokens are bytes: bits per byte
+        self.log(names.loss(stage), loss, prog_bar=True, sync_dist=True)
+        self.log(names.perplexity(stage), torch.exp(loss), sync_dist=True)
+        self.log(names.bits_per_byte(stage), loss / math.log(2), sync_dist=True)  # tokens are bytes: bits per byte
         windows = self.metrics[f"{stage}_windows"]
         losses, reached = windows.compute().reshape(-1), windows.reached()
         for (start, end), value, counted in zip(self.windows, losses, reached, strict=True):
             if counted:
-                self.log(f"{stage}/loss_pos_{start:06d}_{end:06d}", value.float(), sync_dist=True)
+                self.log(names.position_loss(stage, start, end), value.float(), sync_dist=True)
         trailing = self.metrics[f"{stage}_trailing"]
         if trailing.reached()[0]:
-            self.log(f"{stage}/loss_trailing", trailing.compute().reshape(-1)[0].float(), sync_dist=True)
+            self.log(names.trailing_loss(stage), trailing.compute().reshape(-1)[0].float(), sync_dist=True)
         for name in ("loss", "windows", "trailing"):
             self.metrics[f"{stage}_{name}"].reset()
 
