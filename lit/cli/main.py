@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import flexmoba
+from lit.cli.errors import exit_on_divergence
 from lit.cli.options import fail
 
 LIGHTNING = ("fit", "validate", "test", "predict")
@@ -89,7 +90,8 @@ def run_subcommand(name: str, rest: list[str]) -> None:
     sys.argv = [f"flexmoba {name}", *rest]  # argparse names the program after argv[0]
     if name == "bench":
         run_benchmark(rest)
-    else:
+        return
+    with exit_on_divergence():
         importlib.import_module(SUBCOMMANDS[name][0]).main(rest)
 
 

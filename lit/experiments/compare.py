@@ -1,198 +1,191 @@
 """Main job: train MoBA and full attention on the same budget and compare them.
 
-    flexmoba compare                               # default budget, a few minutes on 2 CPU cores
-    flexmoba compare --seeds 3                     # three seeds per attention kind: mean ± std
-    flexmoba compare --steps 2 --max_files 5 --seq_len 128 --out /tmp/cmp   # smoke run
-    flexmoba compare --model.moba_top_k 2 --model.d_model 256                # any ModelConfig field
+    flexmoba compare                                  # the default budget, minutes on 2 CPU cores
+    flexmoba compare --seeds 3                        # three seeds per attention kind: mean ± std
+    flexmoba compare --trainer.max_steps 2 --data.max_files 5 --data.seq_len 128 --out /tmp/cmp   # smoke run
+    flexmoba compare --model.config.moba.top_k 2 --model.config.d_model 256    # any `flexmoba fit` option
 
-Both kinds share the data, seeds, model size and optimizer; only ``model.attention`` differs.
-The model defaults to the default model (``flexmoba.model.ModelConfig()``); the schedule fits
-the short budget (warmup: a tenth of ``--steps``). On a CUDA machine the runs use the GPU with
-``bf16-mixed`` precision (``--accelerator``/``--precision`` override). Writes one folder
-``<out>/compare-<timestamp>/`` holding ``results.md`` (the table, mean ± std over seeds),
-``results.json``, ``val_loss.png``, ``loss_by_position.png`` and per run
-``<attention>/seed<N>/`` its CSV and TensorBoard logs and ``final.ckpt``.
+It takes every option of ``flexmoba fit`` with the same spelling (``--config`` files too) and
+three of its own: ``--seeds`` (runs per attention kind, seeded ``seed_everything + i``; the
+data order stays the first seed's), ``--out`` (the study's folder) and ``--final_val_batches``.
+Both kinds share the data, seeds, model size and schedule; only ``model.config.attention``
+differs. Every run goes through the one launcher (:mod:`lit.training.launch`), so a run that
+diverges stops the study with one line, and checkpoints are atomic.
+
+``<out>/`` holds ``compare.json`` (the study's settings), one run per kind and seed in
+``<attention>/seed<N>/`` (its checkpoints, CSV and TensorBoard logs, ``result.json`` once
+finished), and the report: ``results.md`` (mean ± std over seeds), ``results.json``,
+``val_loss.png`` and ``loss_by_position.png``. Started again with the same arguments,
+compare skips finished runs and resumes an interrupted one from its last checkpoint; an
+``--out`` that holds a study with other settings is refused.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import math
-import time
-import warnings
-from dataclasses import asdict, dataclass, field, replace
-from datetime import datetime
 from pathlib import Path
 
-import lightning as L
 import torch
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from flexmoba.model import ModelConfig
-from lit.cli.options import fail, parse_dataclass
-from lit.training.data import ByteFilesData, CorpusError
-from lit.training.module import LitLM
+from lit.cli.options import fail
+from lit.training import metric_names as names
+from lit.training.launch import fit_and_validate, read_config
 
 VARIANTS = ("moba", "full")
+PROG = "flexmoba compare"
+
+# The main job's budget (the recipe, optimizer, clipping and log cadence, is fit's own). Left None:
+# warmup a tenth of the steps, a validation every fifth.
+BUDGET = {
+    "trainer.max_steps": 100,
+    "trainer.limit_val_batches": 8,
+    "trainer.num_sanity_val_steps": 0,
+    "trainer.enable_model_summary": False,
+    "checkpoint.every_n_train_steps": 20,
+    "model.warmup_steps": None,
+    "model.position_window": None,
+    "model.trailing_window": None,
+    "data": {"class_path": "lit.training.data.ByteFilesData", "init_args": {"seed": 1337}},
+}
 
 
-@dataclass
-class CompareJob:
-    """What ``flexmoba compare`` trains.
-
-    Args:
-        model: the model of both kinds (``attention`` is set per kind).
-        steps: optimizer steps per run.
-        seq_len: bytes per training sequence.
-        batch_size: sequences per step.
-        seeds: seeds per attention kind (``seed``, ``seed + 1``, ...); with 2 or more the table
-            reports mean ± sample std.
-        seed: the first seed.
-        lr: AdamW peak learning rate.
-        warmup_steps: default a tenth of ``steps``.
-        position_window: loss-by-position window; default ``seq_len / 4``.
-        trailing_window: trailing-loss window; default ``position_window``.
-        val_every: validate every N steps; default ``steps / 5``.
-        val_batches: batches per intermediate validation.
-        final_val_batches: batches in the final validation.
-        root: corpus folder (every file matching ``patterns`` is a document; bytes are tokens);
-            default this Python's standard library.
-        patterns: globs of the files to read, e.g. ``["*.txt", "*.md"]``; default ``["*.py"]``.
-        max_files: use only this many training files.
-        max_bytes: use only this many bytes.
-        cache_dir: tokenized-corpus cache folder.
-        out: parent folder of the run folder.
-        accelerator: Lightning accelerator (``auto``: CUDA when there is one).
-        precision: Lightning precision; default ``bf16-mixed`` on CUDA, ``32-true`` elsewhere.
-        threads: torch CPU threads (default: torch's choice).
-    """
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    steps: int = 100
-    seq_len: int = 1024
-    batch_size: int = 8
-    seeds: int = 1
-    seed: int = 1337
-    lr: float = 3e-3
-    warmup_steps: int | None = None
-    position_window: int | None = None
-    trailing_window: int | None = None
-    val_every: int | None = None
-    val_batches: int = 8
-    final_val_batches: int = 32
-    root: str | None = None
-    patterns: list[str] | None = None
-    max_files: int | None = None
-    max_bytes: int | None = None
-    cache_dir: str | None = None
-    out: str = "runs"
-    accelerator: str = "auto"
-    precision: str | None = None
-    threads: int | None = None
-
-    def __post_init__(self):
-        for name in ("steps", "seq_len", "batch_size", "seeds", "val_batches", "final_val_batches"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"--{name} must be a positive int, got {value!r}")
-
-    @property
-    def window(self) -> int:
-        return self.position_window or max(1, self.seq_len // 4)
-
-    def seed_list(self) -> list[int]:
-        return [self.seed + i for i in range(self.seeds)]
-
-    def model_config(self, attention: str) -> ModelConfig:
-        return replace(self.model, attention=attention)
-
-    def trainer_precision(self) -> str:
-        if self.precision is not None:
-            return self.precision
-        on_cuda = self.accelerator in ("auto", "cuda", "gpu") and torch.cuda.is_available()
-        return "bf16-mixed" if on_cuda else "32-true"
+def compare_arguments(parser) -> None:
+    parser.add_argument("--seeds", type=int, default=1, help="runs per attention kind (seed_everything + i)")
+    parser.add_argument("--out", type=str, default="runs/compare", help="the study's folder")
+    parser.add_argument("--final_val_batches", type=int, default=32, help="batches of each run's final validation")
 
 
-class RunRecorder(L.Callback):
-    """Wall time in training batches only (validation excluded), tokens trained on, and the
-    validation loss at each validation during fit (same batches every time).
-    """
-
-    def __init__(self):
-        self.seconds = 0.0
-        self.tokens = 0
-        self.val_history: list[tuple[int, float]] = []
-        self._start = 0.0
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.seconds += time.perf_counter() - self._start
-        self.tokens += batch[0].numel() * trainer.world_size
-
-    def on_validation_end(self, trainer, pl_module):
-        if trainer.state.fn == "fit" and not trainer.sanity_checking and "val/loss" in trainer.callback_metrics:
-            self.val_history.append((trainer.global_step, float(trainer.callback_metrics["val/loss"])))
+def parse(argv: list[str]) -> dict:
+    """The study's settings: a ``flexmoba fit`` config plus ``seeds``, ``out``, ``final_val_batches``."""
+    return read_config(argv, compare_arguments, BUDGET, complete_budget, prog=PROG, description=__doc__)
 
 
-def progress_bar() -> list[L.Callback]:
-    try:
-        from lightning.pytorch.callbacks import RichProgressBar
+def complete_budget(config) -> None:
+    """Values left None that follow the budget: warmup a tenth of the steps, a validation every fifth,
+    position windows a quarter of the sequence, bf16 on a GPU."""
+    for name in ("seeds", "final_val_batches"):
+        if config[name] < 1:
+            fail("flexmoba", f"--{name}: must be a positive int, got {config[name]}")
+    trainer, model, data = config.trainer, config.model, config.data.init_args
+    steps = trainer.max_steps
+    if not isinstance(steps, int) or steps < 1:
+        fail("flexmoba", f"--trainer.max_steps: must be a positive int, got {steps!r}")
+    trainer.val_check_interval = trainer.val_check_interval or min(steps, max(1, steps // 5))
+    trainer.check_val_every_n_epoch = None
+    model.warmup_steps = max(1, steps // 10) if model.warmup_steps is None else model.warmup_steps
+    window = max(1, data.seq_len // 4)
+    model.position_window = window if model.position_window is None else model.position_window
+    model.trailing_window = model.position_window if model.trailing_window is None else model.trailing_window
+    if trainer.precision is None:
+        on_cuda = trainer.accelerator in ("auto", "cuda", "gpu") and torch.cuda.is_available()
+        trainer.precision = "bf16-mixed" if on_cuda else "32-true"
 
-        return [RichProgressBar()]
-    except (ImportError, ModuleNotFoundError):  # rich is optional
-        return []
+
+def run_config(study: dict, attention: str, seed: int) -> dict:
+    """The ``flexmoba fit`` config of one run of the study."""
+    config = {k: v for k, v in study.items() if k not in ("seeds", "out", "final_val_batches", "config")}
+    config = json.loads(json.dumps(config))  # a deep copy of plain data
+    config["model"]["config"]["attention"] = attention
+    config["seed_everything"] = seed
+    config["trainer"]["default_root_dir"] = str(run_folder(study, attention, seed))
+    return config
 
 
-def train_one(job: CompareJob, attention: str, seed: int, run_dir: Path, data: ByteFilesData) -> dict:
-    """One fit + final validation; its logs and ``final.ckpt`` go to ``run_dir``."""
-    L.seed_everything(seed, verbose=False)
-    config = job.model_config(attention)
-    module = LitLM(
-        config, seq_len=job.seq_len, lr=job.lr,
-        warmup_steps=job.warmup_steps if job.warmup_steps is not None else max(1, job.steps // 10),
-        position_window=job.window, trailing_window=job.trailing_window or job.window,
-    )
-    recorder = RunRecorder()
-    loggers = [CSVLogger(run_dir, name="csv", version=""), TensorBoardLogger(run_dir, name="tb", version="")]
-    val_every = job.val_every or max(1, job.steps // 5)
-    trainer = L.Trainer(
-        max_steps=job.steps, val_check_interval=min(val_every, job.steps), check_val_every_n_epoch=None,
-        limit_val_batches=job.val_batches, gradient_clip_val=1.0, log_every_n_steps=max(1, min(10, job.steps)),
-        logger=loggers, callbacks=[recorder, *progress_bar()], enable_checkpointing=False,
-        enable_model_summary=False, default_root_dir=run_dir, accelerator=job.accelerator, devices=1,
-        precision=job.trainer_precision(), num_sanity_val_steps=0,
-    )
-    print(f"[compare] training {attention} (seed {seed}) on {trainer.strategy.root_device}: "
-          f"{job.steps} steps of {job.batch_size} x {job.seq_len} tokens -> {run_dir}")
-    trainer.fit(module, datamodule=data)
-    trainer.save_checkpoint(run_dir / "final.ckpt")
-    trainer.limit_val_batches = job.final_val_batches
-    final = trainer.validate(module, datamodule=data, verbose=False)[0]
-    for logger in loggers:
-        logger.finalize("success")
-    return {
+def run_folder(study: dict, attention: str, seed: int) -> Path:
+    return Path(study["out"]) / attention / f"seed{seed}"
+
+
+def seeds_of(study: dict) -> list[int]:
+    return [study["seed_everything"] + i for i in range(study["seeds"])]
+
+
+def claim_folder(study: dict) -> None:
+    """Record the study's settings in ``<out>/compare.json``, or refuse an ``--out`` holding another study."""
+    out = Path(study["out"])
+    settings = out / "compare.json"
+    recorded = {k: v for k, v in study.items() if k != "config"}
+    if settings.exists():
+        if json.loads(settings.read_text()) != json.loads(json.dumps(recorded)):
+            fail("flexmoba", f"--out: {out} holds a compare study with other settings; give another --out, "
+                             "or the same arguments to resume it")
+        return
+    if out.exists() and any(out.iterdir()):
+        fail("flexmoba", f"--out: {out} exists and is not a compare study's folder; give another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    settings.write_text(json.dumps(recorded, indent=2))
+
+
+def read_csv_rows(run_dir: Path) -> list[dict[str, str]]:
+    rows = []
+    for path in sorted((run_dir / "csv").glob("version_*/metrics.csv")):
+        with path.open() as f:
+            rows += list(csv.DictReader(f))
+    return rows
+
+
+def val_history(rows: list[dict[str, str]]) -> list[tuple[int, float]]:
+    """``(step, val/loss)`` of every validation during the fit, once per step."""
+    key = names.loss("val")
+    return sorted({int(r["step"]) + 1: float(r[key]) for r in rows if r.get(key)}.items())
+
+
+def throughput(rows: list[dict[str, str]]) -> tuple[float, int]:
+    """Training seconds (validation excluded) and tokens, summed over the fit's sessions (a resumed
+    run restarts the clock), from the throughput monitor's cumulative counters."""
+    seconds, tokens, last = 0.0, 0, None
+    for r in rows + [{}]:
+        time, lengths = r.get("throughput/train/time"), r.get("throughput/train/lengths")
+        if time and lengths:
+            if last is not None and float(time) < last[0]:  # a new session
+                seconds, tokens = seconds + last[0], tokens + last[1]
+            last = (float(time), int(float(lengths)))
+    if last is not None:
+        seconds, tokens = seconds + last[0], tokens + last[1]
+    return seconds, tokens
+
+
+def train_one(study: dict, attention: str, seed: int) -> dict:
+    """Fit (or resume) one run and validate it; its ``result.json`` marks it finished."""
+    folder = run_folder(study, attention, seed)
+    done = folder / "result.json"
+    if done.exists():
+        print(f"[compare] {attention} (seed {seed}): done, skipped", flush=True)
+        return json.loads(done.read_text())
+    resume = (folder / "checkpoints" / "last.ckpt").exists()
+    print(f"[compare] {attention} (seed {seed}): {'resuming' if resume else 'training'} -> {folder}", flush=True)
+    cli, final = fit_and_validate(run_config(study, attention, seed), resume=resume,
+                                  limit_val_batches=study["final_val_batches"])
+    config: ModelConfig = cli.model.config
+    seq_len = cli.model.seq_len
+    rows = read_csv_rows(folder)
+    seconds, tokens = throughput(rows)
+    result = {
         "attention": attention,
         "seed": seed,
-        "config": asdict(config),
-        "final": {k: float(v) for k, v in final.items()},
-        "val_history": recorder.val_history,
-        "windows": module.windows,
-        "params_non_embedding": module.model.num_parameters(non_embedding=True),
-        "params_total": module.model.num_parameters(non_embedding=False),
-        "train_seconds": recorder.seconds,
-        "train_tokens": recorder.tokens,
-        "tokens_per_second": recorder.tokens / max(recorder.seconds, 1e-9),
+        "config": json.loads(json.dumps(cli.model.hparams["config"])),
+        "final": final,
+        "val_history": val_history(rows),
+        "windows": [list(w) for w in cli.model.windows],
+        "params_non_embedding": config.num_parameters(non_embedding=True),
+        "params_total": config.num_parameters(non_embedding=False),
+        "train_seconds": seconds,
+        "train_tokens": tokens,
+        "tokens_per_second": tokens / max(seconds, 1e-9),
         "dense_flops_per_token": config.dense_flops_per_token(),
-        "attention_flops_per_token": config.attention_flops_per_token(job.seq_len),
-        "checkpoint": str(run_dir / "final.ckpt"),
+        "attention_flops_per_token": config.attention_flops_per_token(seq_len),
+        "checkpoint": str(folder / "checkpoints" / "last.ckpt"),
+        "fingerprint": getattr(cli.datamodule, "fingerprint", None),
     }
+    done.write_text(json.dumps(result, indent=2))
+    return result
 
 
 def window_losses(result: dict) -> list[float]:
     final = result["final"]
-    return [final.get(f"val/loss_pos_{start:06d}_{end:06d}", float("nan")) for start, end in result["windows"]]
+    return [final.get(names.position_loss("val", start, end), float("nan")) for start, end in result["windows"]]
 
 
 def mean_std(values: list[float]) -> tuple[float, float | None]:
@@ -215,17 +208,18 @@ def by_attention(results: list[dict]) -> dict[str, list[dict]]:
     return grouped
 
 
-def markdown_report(job: CompareJob, results: list[dict], fingerprint: str | None) -> str:
-    moba = job.model_config("moba")
-    seeds = job.seed_list()
+def markdown_report(study: dict, results: list[dict]) -> str:
+    moba = ModelConfig(**{**study["model"]["config"], "attention": "moba"})
+    trainer, data = study["trainer"], study["data"].get("init_args", study["data"])
+    seq_len, seeds = data["seq_len"], seeds_of(study)
     seed_text = f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {seeds[0]}-{seeds[-1]} (mean ± sample std)"
     lines = [
         "# MoBA vs full attention",
         "",
-        f"Same budget for both: {job.steps} steps x {job.batch_size} sequences x {job.seq_len} bytes, "
-        f"{seed_text}; corpus fingerprint `{fingerprint}`.",
-        f"MoBA: chunk {moba.moba_chunk_size}, top-k {moba.moba_top_k} "
-        f"(skips {moba.attention_sparsity(job.seq_len):.0%} of causal query-key pairs at this length).",
+        f"Same budget for both: {trainer['max_steps']} steps x {data['batch_size']} sequences x {seq_len} bytes, "
+        f"{seed_text}; corpus fingerprint `{results[0].get('fingerprint')}`.",
+        f"MoBA: chunk {moba.moba.chunk_size}, top-k {moba.moba.top_k} "
+        f"(skips {moba.attention_sparsity(seq_len):.0%} of causal query-key pairs at this length).",
         "",
         "| attention | val loss | val bpb | val ppl | trailing loss | params (non-emb) | train time (s) | tokens/s "
         "| 6N FLOPs/token | attention FLOPs/token |",
@@ -236,8 +230,8 @@ def markdown_report(job: CompareJob, results: list[dict], fingerprint: str | Non
             return [r["final"].get(key, float("nan")) for r in runs]
         first = runs[0]
         lines.append(
-            f"| {attention} | {fmt(final('val/loss'), '.4f')} | {fmt(final('val/bpb'), '.4f')} "
-            f"| {fmt(final('val/ppl'), '.2f')} | {fmt(final('val/loss_trailing'), '.4f')} "
+            f"| {attention} | {fmt(final(names.loss('val')), '.4f')} | {fmt(final(names.bits_per_byte('val')), '.4f')} "
+            f"| {fmt(final(names.perplexity('val')), '.2f')} | {fmt(final(names.trailing_loss('val')), '.4f')} "
             f"| {first['params_non_embedding']:,} | {fmt([r['train_seconds'] for r in runs], '.2f')} "
             f"| {fmt([r['tokens_per_second'] for r in runs], ',.0f')} | {first['dense_flops_per_token']:.3g} "
             f"| {first['attention_flops_per_token']:.3g} |"
@@ -249,20 +243,19 @@ def markdown_report(job: CompareJob, results: list[dict], fingerprint: str | Non
     for attention, runs in by_attention(results).items():
         per_window = zip(*(window_losses(r) for r in runs), strict=True)
         lines.append(f"| {attention} | " + " | ".join(fmt(list(w), ".4f") for w in per_window) + " |")
-    lines += ["", f"Final validation: {job.final_val_batches} batches; the curve in val_loss.png uses the first "
-              f"{job.val_batches}. Trailing loss = the last window of positions; bpb = bits per byte. "
-              "Train time counts training batches only (no validation).", ""]
+    lines += ["", f"Final validation: {study['final_val_batches']} batches; the curve in val_loss.png uses the "
+              f"first {trainer['limit_val_batches']} (so its last point differs from the table). Trailing loss = "
+              "the last window of positions; bpb = bits per byte. Train time counts training batches only (no "
+              "validation); a resumed run's time is the sum of its sessions.", ""]
     return "\n".join(lines)
 
 
 def plot_mean_and_std(results: list[dict], x_of, losses_of, labels: dict, path: Path) -> None:
     """One line per attention kind: the seed mean of ``losses_of(run)`` at ``x_of(run)``, seed std as error bars."""
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
     for attention, runs in by_attention(results).items():
         stats = [mean_std(list(values)) for values in zip(*(losses_of(r) for r in runs), strict=True)]
         ax.errorbar(x_of(runs[0]), [m for m, _ in stats], yerr=[s or 0.0 for _, s in stats], marker="o", capsize=3,
@@ -271,48 +264,37 @@ def plot_mean_and_std(results: list[dict], x_of, losses_of, labels: dict, path: 
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
-def plot(results: list[dict], run_dir: Path) -> None:
+def plot(results: list[dict], out: Path) -> None:
     plot_mean_and_std(results, lambda r: [s for s, _ in r["val_history"]], lambda r: [v for _, v in r["val_history"]],
-                      {"xlabel": "step", "title": "Validation loss during training"}, run_dir / "val_loss.png")
+                      {"xlabel": "step", "title": "Validation loss during training"}, out / "val_loss.png")
     plot_mean_and_std(results, lambda r: [(s + e) / 2 for s, e in r["windows"]], window_losses,
                       {"xlabel": "target position (window center)", "title": "Loss by position"},
-                      run_dir / "loss_by_position.png")
+                      out / "loss_by_position.png")
 
 
-def run(job: CompareJob) -> Path:
-    """Train every (attention, seed) pair of ``job`` and write the report; return its folder."""
-    if job.threads:
-        torch.set_num_threads(job.threads)
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    data = ByteFilesData(
-        root=job.root, patterns=job.patterns, seq_len=job.seq_len, batch_size=job.batch_size,
-        max_files=job.max_files, max_bytes=job.max_bytes, cache_dir=job.cache_dir, seed=job.seed,
-    )
-    try:
-        data.check_files()
-    except CorpusError as error:
-        fail("flexmoba compare", f"--{error.option}: {error}")
-    run_dir = Path(job.out) / f"compare-{datetime.now():%Y%m%d-%H%M%S}"
-    run_dir.mkdir(parents=True, exist_ok=False)
-    print(f"[compare] results go to {run_dir}")
-    data.prepare_data()
-    results = [train_one(job, attention, seed, run_dir / attention / f"seed{seed}", data)
-               for attention in VARIANTS for seed in job.seed_list()]
-    (run_dir / "results.json").write_text(json.dumps(
-        {"job": asdict(job), "fingerprint": data.fingerprint, "results": results}, indent=2))
-    report = markdown_report(job, results, data.fingerprint)
-    (run_dir / "results.md").write_text(report)
-    plot(results, run_dir)
+def run(study: dict) -> Path:
+    """Train (or resume) every (attention, seed) run of the study and write the report; return its folder."""
+    claim_folder(study)
+    out = Path(study["out"])
+    print(f"[compare] results go to {out}", flush=True)
+    results = [train_one(study, attention, seed) for attention in VARIANTS for seed in seeds_of(study)]
+    settings = {k: v for k, v in study.items() if k != "config"}
+    (out / "results.json").write_text(json.dumps({"study": settings, "results": results}, indent=2))
+    report = markdown_report(study, results)
+    (out / "results.md").write_text(report)
+    plot(results, out)
     print(report)
-    print(f"[compare] results in {run_dir}")
-    return run_dir
+    print(f"[compare] results: {out / 'results.md'}; plots: {out / 'val_loss.png'}, {out / 'loss_by_position.png'}; "
+          f"checkpoints and logs: {out}/<attention>/seed<N>/")
+    return out
 
 
 def main(argv: list[str] | None = None) -> Path:
-    return run(parse_dataclass(CompareJob, argv, prog="flexmoba compare", description=__doc__))
+    import sys
+
+    return run(parse(sys.argv[1:] if argv is None else list(argv)))
 
 
 if __name__ == "__main__":

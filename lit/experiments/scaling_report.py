@@ -60,7 +60,9 @@ def load_results(sweep_dir: Path) -> list[dict]:
 
 
 def seq_len_of(result: dict) -> int | None:
-    """A run's sequence length, from its CLI arguments (results written before it was recorded)."""
+    """A run's sequence length, from its settings or CLI arguments (results written before it was recorded)."""
+    if "data.init_args.seq_len" in result.get("settings", {}):
+        return result["settings"]["data.init_args.seq_len"]
     args = result.get("cli_args", [])
     return int(args[args.index("--data.seq_len") + 1]) if "--data.seq_len" in args else None
 

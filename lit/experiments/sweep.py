@@ -103,7 +103,8 @@ class SweepSpec:
         tokens_per_parameter: training tokens per non-embedding parameter.
         min_steps: floor on the optimizer steps of the smallest runs.
         position_window, trailing_window: widths of the evaluated position windows.
-        lr, warmup_fraction: AdamW peak learning rate and warmup share of the steps.
+        lr: AdamW peak learning rate; default the module's (:class:`lit.training.module.LitLM`).
+        warmup_fraction: warmup share of the steps.
         limit_val_batches: validation batches of the final evaluation.
         base_config: the Lightning CLI YAML every run starts from.
         cli_args: extra CLI arguments for every run (e.g. ``--trainer.accelerator gpu``).
@@ -124,7 +125,7 @@ class SweepSpec:
     min_steps: int = 20
     position_window: int = 256
     trailing_window: int = 256
-    lr: float = 3e-3
+    lr: float | None = None
     warmup_fraction: float = 0.05
     limit_val_batches: int = 16
     base_config: str = "configs/moba.yaml"
@@ -208,33 +209,42 @@ class Run:
         tokens = self.spec.tokens_per_parameter * n
         return max(self.spec.min_steps, math.ceil(tokens / (self.spec.batch_size * self.spec.seq_len)))
 
-    def cli_args(self) -> list[str]:
+    def settings(self) -> dict:
+        """What this run sets on top of the base config, as ``{dotted.key: typed value}``."""
         spec, steps = self.spec, self.steps()
         config = self.model_config()
-        model_args = []
-        for key in ("n_layers", "d_model", "n_heads", "n_kv_heads", *self.kind.model):
-            model_args += [f"--model.config.{key}", str(getattr(config, key))]
-        seed_args = [] if self.seed is None else ["--seed_everything", str(self.seed), "--data.seed", str(self.seed)]
-        return [
-            "--config", spec.base_config,
-            "--trainer.default_root_dir", str(self.folder),
-            "--trainer.max_steps", str(steps),
-            "--trainer.val_check_interval", str(steps),
-            "--trainer.limit_val_batches", str(spec.limit_val_batches),
-            "--checkpoint.every_n_train_steps", str(max(1, steps // 10)),
-            "--data.seq_len", str(spec.seq_len),
-            "--data.batch_size", str(spec.batch_size),
-            "--model.lr", str(spec.lr),
-            "--model.warmup_steps", str(max(1, int(spec.warmup_fraction * steps))),
-            "--model.position_window", str(spec.position_window),
-            "--model.trailing_window", str(spec.trailing_window),
-            *model_args,
-            *seed_args,
-            *self.callback_args(),
-            *spec.cli_args,
-        ]
+        size_fields = ("n_layers", "d_model", "n_heads", "n_kv_heads")
+        model = {f"model.config.{key}": getattr(config, key) for key in size_fields}
+        model.update({f"model.config.{key}": value for key, value in self.kind.model.items()})
+        seeds = {} if self.seed is None else {"seed_everything": self.seed, "data.init_args.seed": self.seed}
+        optional = {"model.lr": spec.lr} if spec.lr is not None else {}
+        return {
+            "trainer.default_root_dir": str(self.folder),
+            "trainer.max_steps": steps,
+            "trainer.val_check_interval": steps,
+            "trainer.limit_val_batches": spec.limit_val_batches,
+            "checkpoint.every_n_train_steps": max(1, steps // 10),
+            "data.init_args.seq_len": spec.seq_len,
+            "data.init_args.batch_size": spec.batch_size,
+            "model.warmup_steps": max(1, int(spec.warmup_fraction * steps)),
+            "model.position_window": spec.position_window,
+            "model.trailing_window": spec.trailing_window,
+            **optional,
+            **model,
+            **seeds,
+            "trainer.callbacks": self.callbacks(),
+        }
 
-    def callback_args(self) -> list[str]:
+    def config(self, base: dict) -> dict:
+        """The run's ``flexmoba fit`` config: ``base`` (the parsed base config) with :meth:`settings`."""
+        config = json.loads(json.dumps(base))  # a deep copy of plain data
+        for key, value in self.settings().items():
+            if key == "trainer.callbacks":
+                value = (config["trainer"].get("callbacks") or []) + value
+            set_dotted(config, key, value)
+        return config
+
+    def callbacks(self) -> list[dict]:
         """The phase switch of a hybrid, and gate diagnostics where the sweep asks for them."""
         callbacks = []
         if self.kind.switch_to_full_at is not None:
@@ -243,7 +253,7 @@ class Run:
         if self.name in self.spec.gate_diagnostics:
             callbacks.append({"class_path": "lit.experiments.gate_diagnostics.GateDiagnostics",
                               "init_args": {"max_sequences": 1}})
-        return [f"--trainer.callbacks+={json.dumps(callback)}" for callback in callbacks]
+        return callbacks
 
     def compute(self) -> dict:
         """Training compute in PFLOP/s-days: the paper's 6·N·D, and with attention included (a
@@ -277,6 +287,17 @@ class Run:
         if self.name in self.spec.gate_diagnostics:
             seconds += GATE_SECONDS_PER_LAYER_32K * self.size.n_layers * (self.spec.seq_len / 32768) ** 2
         return seconds
+
+
+def set_dotted(config: dict, key: str, value) -> None:
+    """``config["a"]["b"] = value`` for ``key = "a.b"``; a dict value for a dict merges into it."""
+    *parents, last = key.split(".")
+    for name in parents:
+        config = config.setdefault(name, {})
+    if isinstance(value, dict) and isinstance(config.get(last), dict):
+        config[last] = {**config[last], **value}
+    else:
+        config[last] = value
 
 
 def interpolate_log_log(points: list[list[float]], x: float) -> float:
@@ -313,16 +334,16 @@ class Processes:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def launch_args(self, spec: SweepSpec) -> list[str]:
-        """Trainer and batch arguments for this many processes (not part of a run's settings)."""
+    def launch_settings(self, spec: SweepSpec) -> dict:
+        """Trainer and batch settings for this many processes (not part of a run's settings)."""
         if self.world == 1:
-            return []
+            return {}
         if spec.batch_size % self.world:
             raise ValueError(f"batch_size {spec.batch_size} is the global batch: it must divide evenly over "
                              f"{self.world} processes")
         # The strategy is left to the configs: Lightning's "auto" is DDP on several devices.
-        return ["--trainer.devices", str(self.local_world), "--trainer.num_nodes", str(self.world // self.local_world),
-                "--data.batch_size", str(spec.batch_size // self.world)]
+        return {"trainer.devices": self.local_world, "trainer.num_nodes": self.world // self.local_world,
+                "data.init_args.batch_size": spec.batch_size // self.world}
 
     def share(self, decide):
         """``decide()`` on rank 0, its value (or its exception) on every rank."""
@@ -359,24 +380,32 @@ def _coordination_group():
     return _GROUP
 
 
-def device_args(spec: SweepSpec) -> list[str]:
-    """``bf16-mixed`` on a CUDA machine unless the sweep sets a precision (like the process
+def machine_settings(base: dict) -> dict:
+    """``bf16-mixed`` on a CUDA machine unless the base config sets a precision (like the process
     count, a property of the machine, not of a run's settings)."""
     import torch
 
-    if torch.cuda.is_available() and "--trainer.precision" not in spec.cli_args:
-        return ["--trainer.precision", "bf16-mixed"]
-    return []
+    if torch.cuda.is_available() and base["trainer"].get("precision") is None:
+        return {"trainer.precision": "bf16-mixed"}
+    return {}
 
 
-def execute(run: Run, resume: bool, processes: Processes = Processes()) -> dict:
+def base_config(spec: SweepSpec) -> dict:
+    """The sweep's base config (``base_config`` with ``cli_args``), parsed and checked once like fit's."""
+    from lit.training.launch import read_config  # Lightning is imported only when runs really happen
+
+    return read_config(["--config", spec.base_config, *spec.cli_args], prog="flexmoba sweep")
+
+
+def execute(run: Run, base: dict, resume: bool, processes: Processes = Processes()) -> dict:
     """Fit (or resume) one run and validate it; rank 0 writes its ``result.json``."""
-    from lit.cli.lightning_cli import run_cli  # Lightning is imported only when a run really happens
+    from lit.training.launch import fit_and_validate
 
-    resume_args = ["--ckpt_path", str(run.folder / "checkpoints" / "last.ckpt")] if resume else []
+    config = run.config(base)
+    for key, value in {**processes.launch_settings(run.spec), **machine_settings(base)}.items():
+        set_dotted(config, key, value)
     started = time.time()
-    cli = run_cli(["fit", *run.cli_args(), *processes.launch_args(run.spec), *device_args(run.spec), *resume_args])
-    metrics = final_validation(cli)
+    _, metrics = fit_and_validate(config, resume=resume)
     result = {
         "run": run.name,
         "size": run.size.name,
@@ -387,9 +416,9 @@ def execute(run: Run, resume: bool, processes: Processes = Processes()) -> dict:
         "steps": run.steps(),
         "seconds": time.time() - started,
         "resumed": resume,
-        "cli_args": run.cli_args(),
+        "settings": recorded(run.settings()),
         **run.compute(),
-        "metrics": {k: float(v) for k, v in metrics.items()},
+        "metrics": metrics,
     }
     if processes.is_main:
         (run.folder / "result.json").write_text(json.dumps(result, indent=2))
@@ -397,13 +426,9 @@ def execute(run: Run, resume: bool, processes: Processes = Processes()) -> dict:
     return result
 
 
-def final_validation(cli) -> dict:
-    """The metrics of the validation that ended the fit (at its last step), or of a new one when
-    this fit did not validate (resumed from a checkpoint of the last step): one validation, not two."""
-    trainer = cli.trainer
-    if "val/loss" in trainer.callback_metrics:
-        return {k: v for k, v in trainer.callback_metrics.items() if not k.startswith("train/")}
-    return trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)[0]
+def recorded(settings: dict) -> dict:
+    """Settings as they read back from JSON (tuples become lists), for comparing with a finished run's."""
+    return json.loads(json.dumps(settings))
 
 
 PLAN_WORDS = {"start": "starting", "resume": "resuming"}
@@ -416,7 +441,7 @@ def plan_runs(spec: SweepSpec) -> list[tuple[str, dict | None]]:
         done = run.folder / "result.json"
         if done.exists():
             result = json.loads(done.read_text())
-            if result.get("cli_args", run.cli_args()) != run.cli_args():
+            if result.get("settings") != recorded(run.settings()):
                 raise ValueError(f"run {run.name} in {run.folder} finished under other settings than the sweep "
                                  "config now asks for; use a new out_dir or delete that run's folder")
             plan.append(("done", result))
@@ -432,6 +457,7 @@ def run_sweep(spec: SweepSpec, processes: Processes = Processes()) -> list[dict]
     """
     runs = spec.runs()
     plan = processes.share(lambda: plan_runs(spec))
+    base = base_config(spec) if any(state != "done" for state, _ in plan) else None
     say = print if processes.is_main else lambda *args, **kwargs: None
     results = []
     for i, (run, (state, result)) in enumerate(zip(runs, plan, strict=True), 1):
@@ -440,7 +466,7 @@ def run_sweep(spec: SweepSpec, processes: Processes = Processes()) -> list[dict]
             results.append(result)
             continue
         say(f"[{i}/{len(runs)}] {run.name}: {PLAN_WORDS[state]}, {run.steps()} steps", flush=True)
-        results.append(execute(run, resume=state == "resume", processes=processes))
+        results.append(execute(run, base, resume=state == "resume", processes=processes))
     return results
 
 

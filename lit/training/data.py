@@ -577,8 +577,6 @@ class ByteFilesData(L.LightningDataModule):
         self._resume = state.get("train_position")
 
 
-PythonSourceData = ByteFilesData  # older name; configs naming lit.training.data.PythonSourceData keep working
-
 
 def check_arguments(*, seq_len, batch_size, max_files, max_bytes, val_fraction, test_fraction) -> None:
     """ValueError naming the first bad argument."""

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import zipfile
 from pathlib import Path
@@ -20,14 +19,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-
-class TrainingDiverged(RuntimeError):
-    """A training loss or gradient norm became NaN or infinite."""
-
-    def __init__(self, step: int, name: str, value: float):
-        self.step, self.name, self.value = step, name, value
-        shown = value if not math.isfinite(value) else f"{value} here, non-finite on another process"
-        super().__init__(f"training diverged at step {step}: {name} = {shown}")
+from lit.training.errors import TrainingDiverged
 
 
 def gradients_are_loss_scaled(trainer: L.Trainer) -> bool:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lit.cli.lightning_cli import run_cli
+from lit.training.launch import run_cli
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 MAIN_CONFIGS = ["moba.yaml", "full.yaml", "hybrid.yaml", "hybrid_phase.yaml"]

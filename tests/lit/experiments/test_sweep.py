@@ -77,7 +77,7 @@ def test_long32k_is_the_papers_setting_within_two_hours(capsys):
     spec = long32k_spec()
     params = [run.compute()["params_non_embedding"] for run in spec.runs() if run.attention_name == "full"]
     assert spec.seq_len == 32768 and len(spec.sizes) >= 4 and max(params) >= 8 * min(params)
-    assert spec.attention["moba"]["moba_chunk_size"] == 512 and spec.attention["moba"]["moba_top_k"] == 3
+    assert spec.attention["moba"]["moba"]["chunk_size"] == 512 and spec.attention["moba"]["moba"]["top_k"] == 3
     assert len(spec.seeds) >= 2 and spec.position_window == spec.trailing_window == 2048
     minutes = print_plan(spec)
     assert minutes is not None and minutes <= 100
@@ -90,13 +90,13 @@ def test_seeds_hybrid_sizes_and_callbacks_make_the_runs():
     assert "s1-moba-seed0" in names and "s1-full-seed1" in names and "s4-hybrid-seed1" in names
     assert not any(name.startswith(("s1-hybrid", "s2-hybrid")) for name in names)  # the two largest sizes only
     runs = {run.name: run for run in spec.runs()}
-    args = runs["s3-hybrid-seed1"].cli_args()
-    assert args[args.index("--seed_everything") + 1] == "1" and args[args.index("--data.seed") + 1] == "1"
-    switch = [a for a in args if "AttentionPhaseSwitch" in a]
-    assert len(switch) == 1 and '"switch_to_full_at": 0.9' in switch[0]
-    assert any("GateDiagnostics" in a for a in runs["s4-moba-seed0"].cli_args())
-    assert not any("GateDiagnostics" in a or "PhaseSwitch" in a for a in runs["s4-moba-seed1"].cli_args())
-    assert "--model.config.sizes" not in args  # run settings are not model fields
+    settings = runs["s3-hybrid-seed1"].settings()
+    assert settings["seed_everything"] == 1 and settings["data.init_args.seed"] == 1
+    switch = [c for c in settings["trainer.callbacks"] if c["class_path"].endswith("AttentionPhaseSwitch")]
+    assert len(switch) == 1 and switch[0]["init_args"] == {"switch_to_full_at": 0.9}
+    assert any("GateDiagnostics" in c["class_path"] for c in runs["s4-moba-seed0"].settings()["trainer.callbacks"])
+    assert runs["s4-moba-seed1"].settings()["trainer.callbacks"] == []
+    assert "model.config.sizes" not in settings  # run settings are not model fields
     moba, hybrid, full = (runs[f"s4-{a}-seed0"].compute()["compute_total"] for a in ("moba", "hybrid", "full"))
     assert hybrid == pytest.approx(0.9 * moba + 0.1 * full)
     assert runs["s4-moba-seed0"].compute()["compute_6nd"] == runs["s4-full-seed0"].compute()["compute_6nd"]
@@ -105,7 +105,7 @@ def test_seeds_hybrid_sizes_and_callbacks_make_the_runs():
 def test_no_seeds_keeps_the_old_run_names():
     spec = SweepSpec.from_yaml(REPO / "configs" / "sweep" / "toy.yaml")
     assert [run.name for run in spec.runs()][:2] == ["s1-moba", "s1-full"]
-    assert "--seed_everything" not in spec.runs()[0].cli_args()
+    assert "seed_everything" not in spec.runs()[0].settings()
 
 
 def test_step_time_interpolation_is_log_log():
@@ -147,11 +147,11 @@ def test_processes_come_from_torchrun_and_srun_tasks_are_refused(monkeypatch):
 def test_the_sweep_batch_is_global_and_split_over_the_processes():
     spec = SweepSpec(out_dir="x", sizes=[ModelSize("a", 1, 16, 2)], attention={"full": {"attention": "full"}},
                      batch_size=8)
-    assert Processes().launch_args(spec) == []
-    assert Processes(8, 0, 4).launch_args(spec) == ["--trainer.devices", "4", "--trainer.num_nodes", "2",
-                                                   "--data.batch_size", "1"]
+    assert Processes().launch_settings(spec) == {}
+    assert Processes(8, 0, 4).launch_settings(spec) == {"trainer.devices": 4, "trainer.num_nodes": 2,
+                                                        "data.init_args.batch_size": 1}
     with pytest.raises(ValueError, match="global batch"):
-        Processes(3, 0, 3).launch_args(spec)
+        Processes(3, 0, 3).launch_settings(spec)
 
 
 def tiny_spec(tmp_path: Path, corpus_cache: Path) -> Path:
@@ -162,7 +162,7 @@ def tiny_spec(tmp_path: Path, corpus_cache: Path) -> Path:
         "base_config": str(REPO / "configs" / "moba.yaml"),
         "sizes": [{"name": "a", "n_layers": 1, "d_model": 16, "n_heads": 2},
                   {"name": "b", "n_layers": 1, "d_model": 32, "n_heads": 2}],
-        "attention": {"moba": {"attention": "moba", "moba_chunk_size": 32, "moba_top_k": 2, "moba_backend": "sdpa"},
+        "attention": {"moba": {"attention": "moba", "moba": {"chunk_size": 32, "top_k": 2, "backend": "sdpa"}},
                       "full": {"attention": "full"}},
         "cli_args": ["--data.max_files", "6", "--data.cache_dir", str(corpus_cache),
                      "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"],

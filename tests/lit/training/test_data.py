@@ -19,7 +19,6 @@ from lit.training.data import (
     IGNORE_INDEX,
     ByteFilesData,
     CorpusError,
-    PythonSourceData,
     ResumableSampler,
     default_corpus_dir,
     list_files,
@@ -243,8 +242,8 @@ def test_min_document_bytes_keeps_long_documents_whole(tmp_path):
 
 
 def test_older_names_still_work(corpus, tmp_path):
-    assert PythonSourceData is ByteFilesData
-    data = PythonSourceData(corpus_dir=str(corpus), seq_len=16, val_fraction=0.2, cache_dir=str(tmp_path / "c"))
+    assert ByteFilesData is ByteFilesData
+    data = ByteFilesData(corpus_dir=str(corpus), seq_len=16, val_fraction=0.2, cache_dir=str(tmp_path / "c"))
     assert data.root == data.corpus_dir == str(corpus)
     with pytest.raises(ValueError, match="corpus_dir"):
         ByteFilesData(root=str(corpus), corpus_dir=str(tmp_path))
@@ -315,12 +314,12 @@ def test_bad_patterns_name_the_parameter(patterns):
 ])
 def test_bad_arguments_name_the_parameter(kwargs, name):
     with pytest.raises(ValueError, match=name):
-        PythonSourceData(**kwargs)
+        ByteFilesData(**kwargs)
 
 
 def test_default_corpus_is_the_stdlib(tmp_path):
     assert default_corpus_dir() == sysconfig.get_paths()["stdlib"]
-    data = PythonSourceData(seq_len=64, max_files=3, cache_dir=str(tmp_path / "cache"))
+    data = ByteFilesData(seq_len=64, max_files=3, cache_dir=str(tmp_path / "cache"))
     data.prepare_data()
     data.setup("fit")
     inputs, targets = data.datasets["train"][0]

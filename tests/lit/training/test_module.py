@@ -13,7 +13,7 @@ import torch
 from flexmoba import MobaSpec
 from flexmoba.model import ModelConfig
 from lit.training.callbacks import AttentionPhaseSwitch
-from lit.training.data import PythonSourceData
+from lit.training.data import ByteFilesData
 from lit.training.metrics import IGNORE_INDEX
 from lit.training.module import LitLM, warmup_cosine
 
@@ -51,7 +51,7 @@ def test_moba_loss_equals_full_when_chunks_cover_the_sequence(backend):
 
 
 def test_phase_switch_goes_full_at_the_given_fraction(tmp_path):
-    data = PythonSourceData(seq_len=64, batch_size=2, max_files=3, cache_dir=str(tmp_path / "cache"))
+    data = ByteFilesData(seq_len=64, batch_size=2, max_files=3, cache_dir=str(tmp_path / "cache"))
     module = LitLM(ModelConfig(**TINY, moba=MobaSpec(16, 2, backend="sdpa")), seq_len=64,
                    position_window=32, trailing_window=32, warmup_steps=1)
     seen = []
@@ -105,7 +105,7 @@ def test_train_loss_averages_over_real_targets_only(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     python_like_corpus(corpus)
-    data = PythonSourceData(corpus_dir=str(corpus), seq_len=64, batch_size=4, pad_short_docs=True,
+    data = ByteFilesData(corpus_dir=str(corpus), seq_len=64, batch_size=4, pad_short_docs=True,
                             val_fraction=0.2, cache_dir=str(tmp_path / "cache"))
     module = LitLM(ModelConfig(**TINY, moba=MobaSpec(8, 2, backend="sdpa")), seq_len=64, position_window=32,
                    trailing_window=32, warmup_steps=1)
@@ -149,7 +149,7 @@ def test_a_few_steps_learn_well_below_uniform(tmp_path, corpus_cache):
     """Uniform guessing over 256 bytes costs ln 256 = 5.55 nats; 20 steps of a tiny model on
     Python source must get far below that (about 3.2 is typical)."""
     torch.manual_seed(0)
-    data = PythonSourceData(seq_len=64, batch_size=8, max_files=8, cache_dir=str(corpus_cache))
+    data = ByteFilesData(seq_len=64, batch_size=8, max_files=8, cache_dir=str(corpus_cache))
     module = LitLM(ModelConfig(**TINY, moba=MobaSpec(16, 2, backend="sdpa")), seq_len=64, position_window=32,
                    trailing_window=32, warmup_steps=2, lr=1e-2)
     trainer = L.Trainer(max_steps=20, limit_val_batches=4, val_check_interval=20, default_root_dir=tmp_path, **QUIET)

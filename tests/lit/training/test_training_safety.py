@@ -17,7 +17,6 @@ from conftest import flexmoba_command, read_metrics
 from flexmoba import MobaSpec
 from flexmoba.checkpoint import load_model, read_checkpoint
 from flexmoba.model import ModelConfig
-from lit.cli.lightning_cli import one_line_error, run_cli
 from lit.training.guards import (
     DivergenceGuard,
     SafeModelCheckpoint,
@@ -26,6 +25,7 @@ from lit.training.guards import (
     checkpoint_problem,
     newest_intact_checkpoint,
 )
+from lit.training.launch import one_line_error, run_cli
 from lit.training.metrics import IGNORE_INDEX, WindowedLoss, position_windows
 from lit.training.module import LitLM
 
@@ -103,7 +103,7 @@ def test_bad_value_from_the_real_command_is_its_only_stderr_line(tmp_path):
 
 def test_nested_union_message_becomes_one_line():
     message = ('Parser key "data":\n  Does not validate against any of the Union subtypes\n  Errors:\n'
-               "    - Problem with given class_path 'lit.training.data.PythonSourceData':\n"
+               "    - Problem with given class_path 'lit.training.data.ByteFilesData':\n"
                '        Parser key "seq_len":\n          Expected a <class \'int\'>. Got value: abc\n'
                "    - Expected a <class 'NoneType'>\n  Given value type: <class 'NestedArg'>")
     assert one_line_error(message) == "--data.seq_len: must be int, got 'abc'"

@@ -1,0 +1,367 @@
+"""The one launcher: a config in, a finished, validated run out.
+
+Every training run goes through :class:`FlexMobaCLI` (LightningCLI over :class:`LitLM` and
+any LightningDataModule) and its :meth:`FlexMobaCLI.instantiate_trainer`: ``flexmoba fit``
+with the command line's arguments, ``flexmoba compare`` and ``flexmoba sweep`` with typed
+config dicts (:func:`fit_and_validate`). So every run gets the same checks at parse time,
+divergence guard, atomic checkpoints, run-folder rules, loggers and resume.
+
+``data`` defaults to :class:`ByteFilesData` (this Python's standard library as the corpus);
+another module is named by ``data.class_path`` (e.g. ``lit.experiments.retrieval.RetrievalData``,
+see ``configs/retrieval/``). Every data module must take ``seq_len``, linked to ``model.seq_len``.
+
+Checkpoints go to ``<trainer.default_root_dir>/checkpoints`` (``last.ckpt`` kept), so
+``--ckpt_path last`` resumes or evaluates the latest one. Logs: CSV under
+``<root>/csv/version_*/metrics.csv`` and TensorBoard under ``<root>/tb``, plus any loggers
+given with ``--trainer.logger`` (W&B, MLflow, ...); ``--default_loggers false`` drops CSV and
+TensorBoard. ``predict`` writes ``<root>/predictions/predictions-rank<R>.jsonl``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import os
+import re
+import sys
+import warnings
+from pathlib import Path
+
+import lightning as L
+from jsonargparse import Namespace
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_only
+
+from flexmoba.checkpoint import checkpoint_config, read_checkpoint
+from flexmoba.model import ModelConfig
+from lit.cli.options import option_names, with_suggestion
+from lit.training import metric_names as names
+from lit.training.data import ByteFilesData, CorpusError
+from lit.training.guards import (
+    AtomicCheckpointIO,
+    DivergenceGuard,
+    SafeModelCheckpoint,
+    newest_intact_checkpoint,
+)
+from lit.training.metrics import position_windows, trailing_window
+from lit.training.module import LitLM
+from lit.training.predictions import JsonlPredictionWriter
+
+
+def checkpoint_dir(default_root_dir: str | None) -> str:
+    return os.path.join(default_root_dir or os.getcwd(), "checkpoints")
+
+
+def default_loggers(root: str) -> list:
+    return [CSVLogger(root, name="csv"), TensorBoardLogger(root, name="tb")]
+
+
+def trainer_loggers(given, root: str, with_defaults: bool):
+    """CSV + TensorBoard (first, so metrics.csv stays where it was) plus the user's loggers;
+    ``False`` (no logging) stays ``False``."""
+    if given is False:
+        return False
+    user = [] if given in (None, True) else list(given) if isinstance(given, (list, tuple)) else [given]
+    loggers = (default_loggers(root) if with_defaults else []) + user
+    return loggers or False
+
+
+PARSER_KEY = re.compile(r'^\s*(?:- )?Parser key "([^"]+)":\s*(.*)$')
+EXPECTED_TYPE = re.compile(r"^Expected a <class '(\w+)'>\. Got value: (.*)$")
+UNION_NOISE = ("Does not validate against", "Subtypes:", "Errors:", "- Problem with given class_path",
+               "- Expected a <class 'NoneType'>", "Given value")
+
+
+def one_line_error(message: str) -> str:
+    """jsonargparse's nested, multi-line message as ``--option: rule``.
+
+    The option is the path of the innermost ``Parser key`` (``init_args`` dropped); the rule
+    is the first line under it that is not about the ``X | None`` union around it.
+    """
+    keys, rule = [], None
+    for line in message.splitlines():
+        match = PARSER_KEY.match(line)
+        if match:
+            keys += [k for k in match.group(1).split(".") if k != "init_args"]
+            rule = match.group(2) or None
+        elif keys and rule is None and line.strip() and not line.strip().startswith(UNION_NOISE):
+            rule = line.strip()
+    if not keys:
+        return " ".join(line.strip() for line in message.splitlines() if line.strip())
+    expected = EXPECTED_TYPE.match(rule or "")
+    if expected:
+        rule = f"must be {expected.group(1)}, got {expected.group(2)!r}"
+    return f"--{'.'.join(keys)}: {rule}"
+
+
+class OneLineErrorParser(LightningArgumentParser):
+    """Errors are one line on stderr, ``flexmoba: error: --option: rule``, and exit code 2."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if not self.exit_on_error:
+            super().error(message, ex)
+        sys.stderr.write(f"flexmoba: error: {with_suggestion(one_line_error(message), self.option_names())}\n")
+        self.exit(2)
+
+    def option_names(self) -> list[str]:
+        """Every option this parser takes, the model config's and the default data module's included."""
+        names = [name for name in self._option_string_actions if name.startswith("--")]
+        data = [f"--data.{name}" for name in inspect.signature(ByteFilesData).parameters]
+        return names + option_names(ModelConfig, "--model.config.") + data
+
+
+def model_config_problem(fields: dict) -> str | None:
+    """Why these ``ModelConfig`` fields cannot build a model, naming the option, or None."""
+    try:
+        ModelConfig(**fields)
+    except (TypeError, ValueError) as error:
+        # "ModelConfig.d_model=30 must be ..." or "MobaSpec.top_k must be ...": the option, then the rule
+        field = re.match(r"(ModelConfig|MobaSpec)\.(\w+)( |=)(.*)", str(error), re.DOTALL)
+        if not field:
+            return f"--model.config: {error}"
+        kind, name, separator, rule = field.groups()
+        option = ("--model.config." if kind == "ModelConfig" else "--model.config.moba.") + name
+        return f"{option}: {rule if separator == ' ' else name + '=' + rule}"
+    return None
+
+
+def as_dict(value) -> dict:
+    return value.as_dict() if isinstance(value, Namespace) else dict(value or {})
+
+
+def config_problem(config: Namespace) -> str | None:
+    """The first invalid value of a subcommand's parsed config (model and data), or None."""
+    data = as_dict(config.get("data"))
+    seq_len = data.get("init_args", data).get("seq_len")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
+        return f"--data.seq_len: must be a positive int, got {seq_len!r}"
+    model = as_dict(config.get("model"))
+    model = model.get("init_args", model)
+    fields = model.get("config")
+    if fields:
+        problem = model_config_problem(as_dict(fields.get("init_args", fields)))
+        if problem:
+            return problem
+    window_checks = (("position_window", position_windows), ("trailing_window", trailing_window))
+    for name, check in window_checks:
+        if name in model:
+            try:
+                check(seq_len, model[name])
+            except ValueError as error:
+                return f"--model.{name}: {error}"
+    return None
+
+
+# What the weights' shapes depend on: a checkpoint loads into a model only if these agree.
+WEIGHT_SHAPE_FIELDS = ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "mlp_hidden", "tie_embeddings")
+
+
+def model_mismatch(path: str, config: ModelConfig) -> str | None:
+    """How the model saved in ``path`` differs in shape from ``config``, or None."""
+    saved = checkpoint_config(read_checkpoint(path))
+    differ = [f"{name} {getattr(saved, name)} != {getattr(config, name)}" for name in WEIGHT_SHAPE_FIELDS
+              if getattr(saved, name) != getattr(config, name)]
+    return ", ".join(differ) or None
+
+
+@rank_zero_only
+def say(message: str) -> None:
+    """One ``flexmoba: ...`` line on stderr from rank 0, shown even when Python warnings are silenced."""
+    sys.stderr.write(f"flexmoba: {message}\n")
+
+
+class FlexMobaCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_lightning_class_args(SafeModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(DivergenceGuard, "divergence_guard")
+        parser.add_lightning_class_args(JsonlPredictionWriter, "predictions")
+        parser.add_argument("--default_loggers", type=bool, default=True,
+                            help="log to CSV and TensorBoard under the run folder, beside --trainer.logger")
+        parser.set_defaults({
+            "checkpoint.save_last": True,
+            "checkpoint.filename": "step{step:06d}",
+            "checkpoint.auto_insert_metric_name": False,
+            "checkpoint.save_top_k": 1,
+        })
+        parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=checkpoint_dir)
+        # Subclass mode with a default class: old configs' bare ``data:`` arguments still apply to it.
+        parser.set_defaults({"data": {"class_path": f"{ByteFilesData.__module__}.{ByteFilesData.__name__}"}})
+        parser.link_arguments("data.init_args.seq_len", "model.seq_len")
+
+    def parse_arguments(self, parser, args) -> None:
+        """Parse, then refuse invalid values before anything is seeded or built."""
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        config = self.config[subcommand] if subcommand else self.config
+        self.complete(config)
+        problem = config_problem(config)
+        if problem:
+            parser.error(problem)
+
+    def complete(self, config: Namespace) -> None:
+        """Fill in values that depend on others (a hook for jobs that read configs)."""
+
+    def instantiate_trainer(self, **kwargs):
+        trainer_config = self._get(self.config_init, "trainer", default={})
+        if "logger" not in kwargs:
+            kwargs["logger"] = trainer_loggers(trainer_config.get("logger"),
+                                               trainer_config.get("default_root_dir") or os.getcwd(),
+                                               self._get(self.config_init, "default_loggers", default=True))
+        if not trainer_config.get("plugins") and "plugins" not in kwargs:
+            kwargs["plugins"] = [AtomicCheckpointIO()]
+        return super().instantiate_trainer(**kwargs)
+
+    def resolve_last_checkpoint(self) -> None:
+        """``ckpt_path: last`` names the newest intact checkpoint (a truncated last.ckpt is skipped)."""
+        config = self.config_init[self.subcommand]
+        if config.get("ckpt_path") != "last" or self.trainer.checkpoint_callback is None:
+            return
+        folder = self.trainer.checkpoint_callback.dirpath
+        if not folder or not os.path.isdir(folder):
+            return  # nothing saved yet: Lightning warns and starts from scratch
+        chosen, skipped = newest_intact_checkpoint(folder)
+        if chosen is None and skipped:
+            self.parser.error(f"--ckpt_path last: no usable checkpoint in {folder}: "
+                              + "; ".join(f"{p.name} ({why})" for p, why in skipped.items()))
+        if chosen is not None:
+            if skipped:
+                say(f"warning: --ckpt_path last: skipped unreadable {', '.join(p.name for p in skipped)}; "
+                          f"using {chosen.name}, the newest intact checkpoint in {folder}")
+            config["ckpt_path"] = str(chosen)
+
+    def check_data(self) -> None:
+        """A corpus that cannot work (no files, patterns matching nothing, files too short) is one
+        line naming the option, before anything is read or trained."""
+        check_files = getattr(self.datamodule, "check_files", None)
+        if check_files is None:
+            return
+        try:
+            check_files()
+        except CorpusError as error:
+            self.parser.error(f"--data.{error.option}: {error}")
+
+    def check_run_folder(self) -> None:
+        """One run folder holds one model: a fresh fit into a folder with checkpoints is refused,
+        and a checkpoint of another shape is refused before Lightning's size-mismatch traceback."""
+        config = self.config_init[self.subcommand]
+        ckpt_path, callback = config.get("ckpt_path"), self.trainer.checkpoint_callback
+        folder = Path(callback.dirpath) if callback is not None and callback.dirpath else None
+        if self.subcommand == "fit" and ckpt_path is None and folder is not None and list(folder.glob("*.ckpt")):
+            root = self.trainer.default_root_dir
+            self.parser.error(f"--trainer.default_root_dir: {root} already holds a run's checkpoints "
+                              f"({', '.join(sorted(p.name for p in folder.glob('*.ckpt')))}); resume it with "
+                              "--ckpt_path last, or give another --trainer.default_root_dir")
+        if ckpt_path is None or not os.path.isfile(ckpt_path) or not isinstance(self.model, LitLM):
+            return
+        mismatch = model_mismatch(ckpt_path, self.model.config)
+        if mismatch:
+            self.parser.error(f"--ckpt_path: {ckpt_path} holds another model ({mismatch}); "
+                              "pass the config it was trained with, or another --trainer.default_root_dir")
+        say(f"loading {ckpt_path}")
+
+    def before_subcommand(self) -> None:
+        self.check_data()
+        self.resolve_last_checkpoint()
+        self.check_run_folder()
+
+    before_fit = before_validate = before_test = before_predict = before_subcommand
+
+
+def run_cli(args: list[str] | None = None) -> FlexMobaCLI:
+    """Run the CLI (in-process when ``args`` are given) and return it, trainer and model included."""
+    with warnings.catch_warnings():
+        # ByteFilesData resumes mid-epoch through its own state_dict (see lit/training/data.py);
+        # Lightning's check only looks at the DataLoader, so its warning would be wrong here.
+        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")  # a job's own argv
+        return FlexMobaCLI(
+            LitLM,
+            L.LightningDataModule,
+            subclass_mode_data=True,
+            args=args,
+            parser_class=OneLineErrorParser,
+            seed_everything_default=1337,
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"description": "Train and evaluate MoBA / full-attention byte-level LMs (see configs/)."},
+        )
+
+
+def fit_and_validate(config: dict, *, resume: bool = False,
+                     limit_val_batches: int | None = None) -> tuple[FlexMobaCLI, dict]:
+    """Fit the run ``config`` describes (a parsed ``flexmoba fit`` config as a dict of typed values),
+    resuming from its ``last.ckpt`` if asked, and return the CLI and its final validation metrics.
+
+    The final validation is the one that ended the fit when it ran at the last step with
+    ``limit_val_batches`` batches (or the config's), else a new one: one validation, not two.
+    """
+    if resume:
+        config = {**config, "ckpt_path": "last"}
+    cli = run_cli({"fit": config})
+    trainer = cli.trainer
+    if limit_val_batches is None and names.loss("val") in trainer.callback_metrics:
+        return cli, {k: float(v) for k, v in trainer.callback_metrics.items() if not k.startswith("train/")}
+    if limit_val_batches is not None:
+        trainer.limit_val_batches = limit_val_batches
+    metrics = trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)[0]
+    return cli, {k: float(v) for k, v in metrics.items()}
+
+
+class ConfigReader(FlexMobaCLI):
+    """Parses and checks a ``flexmoba fit``-style command line into a config, building nothing."""
+
+    def __init__(self, args: list[str], extra_arguments=None, defaults: dict | None = None, complete=None, **kwargs):
+        self.extra_arguments, self.defaults, self.completion = extra_arguments, defaults or {}, complete
+        super().__init__(LitLM, L.LightningDataModule, subclass_mode_data=True, args=args, run=False,
+                         parser_class=OneLineErrorParser, seed_everything_default=1337, **kwargs)
+
+    def add_arguments_to_parser(self, parser) -> None:
+        super().add_arguments_to_parser(parser)
+        if self.extra_arguments:
+            self.extra_arguments(parser)
+        parser.set_defaults(self.defaults)
+
+    def complete(self, config: Namespace) -> None:
+        if self.completion is not None:
+            self.completion(config)
+
+    def instantiate_classes(self) -> None:
+        pass
+
+
+def read_config(args: list[str], extra_arguments=None, defaults: dict | None = None, complete=None,
+                **parser_kwargs) -> dict:
+    """``args`` parsed and checked like ``flexmoba fit``'s (one-line errors, exit 2), as a dict.
+
+    ``extra_arguments(parser)`` adds a job's own options, ``defaults`` are its defaults, and
+    ``complete(config)`` fills in values that depend on others before the checks run.
+    """
+    seed_log = logging.getLogger("lightning.fabric.utilities.seed")  # reading seeds nothing worth saying
+    level = seed_log.level
+    seed_log.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+            reader = ConfigReader(args, extra_arguments, defaults, complete, parser_kwargs=parser_kwargs)
+    finally:
+        seed_log.setLevel(level)
+    config = reader.config.as_dict()
+    problem = data_problem(config["data"])
+    if problem:
+        reader.parser.error(problem)
+    return config
+
+
+def data_problem(data: dict) -> str | None:
+    """Why the data module of a config (``{class_path, init_args}``) cannot work, naming the option, or None.
+
+    Builds the module (cheap: it lists files, reads none) to run its ``check_files``, if it has one.
+    """
+    module, _, name = data["class_path"].rpartition(".")
+    datamodule = getattr(importlib.import_module(module), name)(**data.get("init_args", {}))
+    try:
+        getattr(datamodule, "check_files", lambda: None)()
+    except CorpusError as error:
+        return f"--data.{error.option}: {error}"
+    return None
