@@ -1,1 +1,2 @@
-"""Benchmarks: run as modules (``python -m benchmarks.mask_build``); never part of the tests."""
+"""Benchmarks, run from a checkout: ``flexmoba bench mask_build`` (or ``python -m benchmarks.mask_build``
+from the repository root); never part of the tests."""

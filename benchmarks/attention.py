@@ -24,8 +24,8 @@ Peak memory: extra memory during one call over what was live before it
 layer's own (:func:`flexmoba.model.capture_attention_inputs` on Python source bytes) and a
 second table gives the locality of the real selections.
 
-    python -m benchmarks.attention [--seq_lens 2048 4096] [--configs 512:3 4096:12] [--repeats 3]
-    python -m benchmarks.attention --inputs checkpoint --ckpt runs/moba/checkpoints/last.ckpt
+    flexmoba bench attention [--seq_lens 2048 4096] [--configs 512:3 4096:12] [--repeats 3]
+    flexmoba bench attention --inputs checkpoint --ckpt runs/moba/checkpoints/last.ckpt
 """
 
 from __future__ import annotations

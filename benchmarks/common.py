@@ -201,10 +201,10 @@ def load_checkpoint_model(path: str | Path, device: torch.device) -> GPT:
 def corpus_tokens(seq_len: int) -> torch.Tensor:
     """``[1, S]`` byte tokens of Python source (the training corpus), held-out files first."""
     try:
-        from lit.training.data import default_corpus_dir, list_python_files, split_of
+        from lit.training.data import default_root, list_files, split_of
 
-        root = default_corpus_dir()
-        files = list_python_files(root)
+        root = default_root()
+        files = list_files(root)
         files.sort(key=lambda f: split_of(f[0], 0.05, 0.05) == "train")  # val/test files first
         paths = [os.path.join(root, rel) for rel, _ in files]
     except ImportError:  # Lightning not installed: any Python files next to torch will do

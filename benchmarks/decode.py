@@ -15,7 +15,7 @@ The three are timed in interleaved rounds in one process after a warm-up; ratios
 median over rounds of (dense time / MoBA time), against the faster dense. The ideal is
 context / keys a MoBA query attends.
 
-    python -m benchmarks.decode [--seq_lens 2048 8192 32768] [--threads N] [--out benchmarks/results]
+    flexmoba bench decode [--seq_lens 2048 8192 32768] [--threads N] [--out benchmarks/results]
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ The error measure is ``max |x - ref| / max |ref|`` per tensor, against a toleran
 dtype. Without CUDA only forwards are checked (FlexAttention has no CPU backward).
 Exits 1 if any check fails.
 
-    python -m benchmarks.gpu_check [--dtypes float32 bfloat16]
+    flexmoba bench gpu_check [--dtypes float32 bfloat16]
 """
 
 from __future__ import annotations

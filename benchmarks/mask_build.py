@@ -5,7 +5,7 @@ backend runs (token granularity: the regrouped plan; tiles: the union BlockMask)
 the time of the compiled flex attention it serves (inference, fp32), beside SDPA causal
 attention on the same inputs.
 
-    python -m benchmarks.mask_build [--seq_lens 4096 8192 16384 32768] [--out benchmarks/results]
+    flexmoba bench mask_build [--seq_lens 4096 8192 16384 32768] [--out benchmarks/results]
 """
 
 from __future__ import annotations

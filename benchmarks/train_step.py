@@ -13,7 +13,7 @@ one ``configs/moba.yaml`` trains), with ``--config``'s ``model.config`` fields i
 Target: on CPU at S = 8K, the MoBA training step at least 2x faster than through the
 dense-mask path, i.e. ``vs moba sdpa`` >= 2 on the gather row.
 
-    python -m benchmarks.train_step [--seq_lens 2048 8192] [--backends gather sdpa] [--repeats 3]
+    flexmoba bench train_step [--seq_lens 2048 8192] [--backends gather sdpa] [--repeats 3]
 """
 
 from __future__ import annotations

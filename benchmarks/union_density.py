@@ -11,8 +11,8 @@ tile size, this reports:
 1.0 visited/attended is perfectly sparse; a dense causal kernel sits at the FLOP ideal.
 No timing: the counts come from the block tables.
 
-    python -m benchmarks.union_density --ckpt runs/moba/checkpoints/last.ckpt --seq_len 8192
-    python -m benchmarks.union_density --seq_len 32768            # random inputs, 4 heads
+    flexmoba bench union_density --ckpt runs/moba/checkpoints/last.ckpt --seq_len 8192
+    flexmoba bench union_density --seq_len 32768            # random inputs, 4 heads
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ The MoBA settings live in the model's config (``config.moba``), so ``save_pretra
 keeps them and :func:`register` needs no arguments. With a real checkpoint:
 ``AutoModelForCausalLM.from_pretrained(path, attn_implementation="flexmoba")`` after
 :func:`register` (a flexmoba checkpoint becomes such a folder with
-``python -m lit.cli.export_hf --ckpt ... --out ...``).
+``flexmoba export-hf --ckpt ... --out ...``).
 """
 
 import torch

@@ -10,6 +10,8 @@ from flexmoba.gate import select_chunks
 from flexmoba.layout import ChunkLayout
 from flexmoba.spec import Granularity, MobaSpec, resolve_spec
 
+__all__ = ["moba_attention"]
+
 
 def moba_attention(
     q: torch.Tensor,

@@ -50,6 +50,17 @@ if TYPE_CHECKING:
     from flexmoba.decode import DecodeStep
     from flexmoba.gate import Selection
 
+__all__ = [
+    "AUTO",
+    "Backend",
+    "DecodeBackend",
+    "backend_names",
+    "get_backend",
+    "get_decode_backend",
+    "register_backend",
+    "resolve_backend",
+]
+
 Backend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "Selection", float], torch.Tensor]
 DecodeBackend = Callable[["DecodeStep"], torch.Tensor]
 

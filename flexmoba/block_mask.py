@@ -30,6 +30,8 @@ from flexmoba.gate import Selection, select_chunks
 from flexmoba.masks import moba_mask_mod
 from flexmoba.spec import Granularity, MobaSpec
 
+__all__ = ["DEFAULT_BLOCK_SIZE", "interval_block_tables", "key_intervals", "moba_block_mask", "selection_block_mask"]
+
 DEFAULT_BLOCK_SIZE = 128  # a multiple of the GPU kernel's tile; the CPU kernel takes any
 
 

@@ -18,6 +18,8 @@ import torch
 
 from flexmoba.model import GPT, ModelConfig
 
+__all__ = ["checkpoint_config", "load_model", "read_checkpoint"]
+
 
 def read_checkpoint(path: str | Path) -> dict:
     """The checkpoint's dict, on CPU; tensors and plain data only (``weights_only=True``)."""

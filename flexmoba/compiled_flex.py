@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
+__all__ = ["compiled_flex_attention"]
+
 _compiled_flex = None
 # Each new shape compiles a new flex kernel; dynamo's default limit of 8 per function
 # would otherwise drop to the unfused eager path after a few shapes.

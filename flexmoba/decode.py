@@ -40,6 +40,16 @@ import torch.nn.functional as F
 from flexmoba import gate, validation
 from flexmoba.kv_cache import ChunkKeySums, MoBAKVCache
 
+__all__ = [
+    "PATHS",
+    "DecodeStep",
+    "decode_attention",
+    "dense_causal_attention",
+    "dense_decode_attention",
+    "gate_step",
+    "moba_decode_attention",
+]
+
 # Up to this many new queries, read each query's selected keys (O(top_k * chunk_size) per
 # query); beyond it (chunked prefill) use one [S_new, T] mask.
 GATHER_MAX_QUERIES = 16

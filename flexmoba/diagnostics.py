@@ -18,6 +18,8 @@ from flexmoba.gate import Selection, select_chunks
 from flexmoba.masks import dense_moba_mask
 from flexmoba.spec import MobaSpec
 
+__all__ = ["distance_histogram", "gate_recall", "selection_distances", "selects_position"]
+
 
 @torch.no_grad()
 def gate_recall(

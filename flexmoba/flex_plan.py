@@ -50,6 +50,8 @@ from flexmoba.gate import Selection, select_chunks
 from flexmoba.gather import selected_pairs
 from flexmoba.spec import Granularity, MobaSpec
 
+__all__ = ["MoBAFlexPlan", "moba_flex_plan", "plan_from_selection"]
+
 # Below this the sink's p carries too few significant bits to give LSE to fp32 precision.
 SINK_MIN_P = 1e-30
 

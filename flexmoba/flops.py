@@ -8,6 +8,8 @@ is :meth:`flexmoba.model.ModelConfig.flops_per_token`.
 
 from __future__ import annotations
 
+__all__ = ["keys_attended_full", "keys_attended_moba"]
+
 
 def keys_attended_full(seq_len: int) -> int:
     """Query-key pairs of causal attention over one sequence: ``S (S + 1) / 2``."""

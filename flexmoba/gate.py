@@ -28,6 +28,8 @@ from flexmoba import validation
 from flexmoba.layout import ChunkLayout, chunk_layout
 from flexmoba.spec import Granularity, MobaSpec, resolve_spec
 
+__all__ = ["Selection", "chunk_means", "moba_selection", "select_chunks"]
+
 
 @dataclass(frozen=True)
 class Selection:

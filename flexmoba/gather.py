@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from flexmoba import validation
 from flexmoba.gate import Selection
 
+__all__ = ["gather_moba_attention"]
+
 
 def selected_pairs(selection: Selection) -> tuple[torch.Tensor, torch.Tensor]:
     """Global chunk of every (query, slot) pair and whether it is used: ``[B, H, S, P + 1]`` each.

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 
 from flexmoba import validation
 
+__all__ = ["ChunkKeySums", "MoBAKVCache"]
+
 
 class ChunkKeySums:
     """Running per-chunk state of the keys: fp32 sums and rounded means for the gate and, on

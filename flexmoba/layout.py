@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+__all__ = ["ChunkLayout", "chunk_layout", "document_starts"]
+
 
 @dataclass(frozen=True)
 class ChunkLayout:

@@ -11,6 +11,8 @@ import torch
 
 from flexmoba.gate import Selection
 
+__all__ = ["dense_moba_mask", "moba_mask_mod"]
+
 
 def moba_mask_mod(selection: Selection):
     """FlexAttention ``mask_mod`` that encodes the whole selection.

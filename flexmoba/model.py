@@ -26,6 +26,8 @@ from flexmoba.kv_cache import MoBAKVCache
 from flexmoba.layout import ChunkLayout, chunk_layout
 from flexmoba.spec import MobaSpec
 
+__all__ = ["ATTENTION_KINDS", "GPT", "ModelConfig", "capture_attention_inputs", "sample_next_token"]
+
 ATTENTION_KINDS = ("moba", "full")
 TRAINING_MULTIPLIER = 3  # forward + backward (~2x forward)
 

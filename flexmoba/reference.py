@@ -9,6 +9,8 @@ from flexmoba.gate import select_chunks
 from flexmoba.masks import dense_moba_mask
 from flexmoba.spec import Granularity, MobaSpec
 
+__all__ = ["moba_reference"]
+
 
 def moba_reference(
     q: torch.Tensor,

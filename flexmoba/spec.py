@@ -14,6 +14,8 @@ from typing import Literal
 
 from flexmoba import validation
 
+__all__ = ["Granularity", "MobaSpec", "resolve_spec"]
+
 Granularity = Literal["token"] | int
 
 

@@ -10,6 +10,28 @@ import numbers
 
 import torch
 
+__all__ = [
+    "check_bool",
+    "check_cache",
+    "check_cache_update",
+    "check_choice",
+    "check_cu_seqlens",
+    "check_decode_args",
+    "check_document_ids",
+    "check_float32",
+    "check_gate_inputs",
+    "check_granularity",
+    "check_layout",
+    "check_positive_int",
+    "check_qk",
+    "check_qkv",
+    "check_scale",
+    "check_start",
+    "check_sums_hold",
+    "check_tensor",
+    "softmax_scale",
+]
+
 
 def check_positive_int(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):

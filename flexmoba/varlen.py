@@ -8,6 +8,8 @@ from flexmoba import validation
 from flexmoba.attention import moba_attention
 from flexmoba.spec import MobaSpec
 
+__all__ = ["document_ids_from_cu_seqlens", "moba_attention_varlen"]
+
 
 def document_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
     """``[n_docs + 1]`` boundaries -> ``[T]`` document index of every token."""

@@ -2,3 +2,5 @@
 
 - :mod:`flexmoba.integrations.transformers`: a Hugging Face ``attn_implementation``.
 """
+
+__all__ = []

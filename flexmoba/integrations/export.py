@@ -31,6 +31,8 @@ import torch
 
 from flexmoba.model import GPT, ModelConfig
 
+__all__ = ["llama_config", "llama_state_dict", "moba_settings", "to_llama"]
+
 LAYER_WEIGHTS = {  # GPT block parameter -> Llama decoder layer parameter
     "attn_norm.weight": "input_layernorm.weight",
     "attn.wq.weight": "self_attn.q_proj.weight",

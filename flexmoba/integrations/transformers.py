@@ -65,6 +65,8 @@ from flexmoba.decode import decode_attention, dense_causal_attention
 from flexmoba.kv_cache import ChunkKeySums
 from flexmoba.spec import MobaSpec
 
+__all__ = ["CONFIG_KEY", "MIN_TRANSFORMERS", "MobaSettings", "register"]
+
 MIN_TRANSFORMERS = "4.48"  # first release with transformers.AttentionInterface
 CONFIG_KEY = "moba"  # the model config's attribute holding its MoBA settings
 _SUMS_ATTR = "_flexmoba_chunk_sums"
@@ -134,12 +136,6 @@ class MobaSettings:
     def spec(self) -> MobaSpec:
         """The MoBA fields as one :class:`flexmoba.MobaSpec` (complete settings only)."""
         return MobaSpec(self.chunk_size, self.top_k, self.granularity, self.backend)
-
-    def as_config(self) -> dict:
-        """The settings as a ``config.moba`` dict (defaults left out)."""
-        defaults = MobaSettings()
-        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
-                if getattr(self, field.name) != getattr(defaults, field.name)}
 
 
 def register(name: str = "flexmoba", **defaults) -> str:

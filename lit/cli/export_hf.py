@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 
@@ -29,7 +29,6 @@ from lit.cli.options import parse_dataclass
 
 DEFAULT_MAX_POSITIONS = 4096
 WeightDtype = Literal["float32", "bfloat16", "float16"]
-DTYPES = get_args(WeightDtype)
 
 
 def export_checkpoint(ckpt: str | Path, out: str | Path, max_position_embeddings: int | None = None,

@@ -2,7 +2,7 @@
 
     flexmoba fit --config configs/moba.yaml          # train (LightningCLI: fit, validate, test, predict)
     flexmoba compare --seeds 2                       # the main job: MoBA vs full attention
-    flexmoba bench attention --seq-lens 8192         # a benchmark from benchmarks/
+    flexmoba bench attention --seq_lens 8192         # a benchmark from benchmarks/
     flexmoba --version
 """
 

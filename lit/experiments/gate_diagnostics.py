@@ -23,7 +23,7 @@ trainer's ``default_root_dir``).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
@@ -129,14 +129,12 @@ def gate_stats(model: GPT, tokens: torch.Tensor, needles: Needles | None = None)
 
 def plot_gate_stats(stats: list[LayerGateStats], path: str | Path, title: str = "") -> None:
     """One PNG: recall per layer x head, needle hits per layer x head, distance histograms."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     has_needles = stats[0].needle_hit is not None
     panels = 3 + 2 * has_needles
-    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.6))
+    fig = Figure(figsize=(4.2 * panels, 3.6))
+    axes = fig.subplots(1, panels)
     labels = [f"L{i} {s.kind}" for i, s in enumerate(stats)]
     heat_panels = [("gate recall", torch.stack([s.recall for s in stats]))]
     if has_needles:
@@ -172,7 +170,6 @@ def plot_gate_stats(stats: list[LayerGateStats], path: str | Path, title: str = 
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def run_folder(trainer: L.Trainer) -> Path:
@@ -186,7 +183,6 @@ def run_folder(trainer: L.Trainer) -> Path:
 class _Pending:
     tokens: torch.Tensor | None = None
     needles: Needles | None = None
-    history: list = field(default_factory=list)
 
 
 class GateDiagnostics(L.Callback):

@@ -306,16 +306,14 @@ def markdown_table(rows: list[dict], title: str = "") -> str:
 
 def heatmap(rows: list[dict], path: str | Path, title: str = "") -> None:
     """The needle-in-a-haystack figure: accuracy by context length (y) and needle depth (x)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     lengths = sorted({r["length"] for r in rows})
     depths = sorted({r["depth"] for r in rows})
     cell = {(r["length"], r["depth"]): r["accuracy"] for r in rows}
     grid = np.array([[cell[(length, d)] for d in depths] for length in lengths])
-    fig, ax = plt.subplots(figsize=(1.2 * len(depths) + 2, 0.7 * len(lengths) + 1.5))
+    fig = Figure(figsize=(1.2 * len(depths) + 2, 0.7 * len(lengths) + 1.5))
+    ax = fig.subplots()
     image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto", origin="lower")
     for (i, j), value in np.ndenumerate(grid):
         ax.text(j, i, f"{100 * value:.0f}", ha="center", va="center", fontsize=8)
@@ -327,7 +325,6 @@ def heatmap(rows: list[dict], path: str | Path, title: str = "") -> None:
     fig.colorbar(image, ax=ax, label="accuracy")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def write_report(rows: list[dict], out_dir: str | Path, title: str) -> Path:

@@ -33,8 +33,10 @@ from pathlib import Path
 
 from lit.cli.options import fail, parse_dataclass
 from lit.experiments.scaling_law import PowerLaw, crossover, fit_power_law, t_975
+from lit.training import metric_names
 
-WHOLE, TRAILING, POSITION_PREFIX, BPB = "val/loss", "val/loss_trailing", "val/loss_pos_", "val/bpb"
+STAGE = "val"  # a sweep's result.json holds its runs' validation metrics
+WHOLE, TRAILING, BPB = metric_names.loss(STAGE), metric_names.trailing_loss(STAGE), metric_names.bits_per_byte(STAGE)
 PROJECTION_SPAN = 10.0  # dashed lines reach this factor beyond the measured compute range
 # The paper's late windows, in 32nds of the sequence: 14-16K and 20-22K of 32K.
 HEADLINE_WINDOWS = ((14, 16), (20, 22))
@@ -70,13 +72,22 @@ def seq_len_of(result: dict) -> int | None:
 def window_keys(results: list[dict]) -> list[str]:
     """Metric keys to fit: whole sequence, trailing window, then position windows in order."""
     keys = {k for r in results for k in r["metrics"]}
-    positions = sorted(k for k in keys if k.startswith(POSITION_PREFIX))
+    positions = sorted((k for k in keys if is_position_key(k)), key=window_span)
     return [k for k in (WHOLE, TRAILING) if k in keys] + positions
 
 
+def is_position_key(key: str) -> bool:
+    """A validation loss over a window of target positions."""
+    window = metric_names.position_window(key)
+    return window is not None and key == metric_names.position_loss(STAGE, *window)
+
+
 def window_span(key: str) -> tuple[int, int]:
-    start, end = (int(x) for x in key[len(POSITION_PREFIX):].split("_"))
-    return start, end
+    """``(start, end)`` target positions of a position-window key."""
+    window = metric_names.position_window(key)
+    if window is None:
+        raise ValueError(f"key={key!r} is not a position-window loss")
+    return window
 
 
 def window_label(key: str) -> str:
@@ -100,7 +111,7 @@ def headline_keys(results: list[dict], keys: list[str]) -> list[str]:
         return []
     seq_len = lengths.pop()
     wanted = {(seq_len * a // 32, seq_len * b // 32) for a, b in HEADLINE_WINDOWS}
-    positions = [k for k in keys if k.startswith(POSITION_PREFIX) and window_span(k) in wanted]
+    positions = [k for k in keys if is_position_key(k) and window_span(k) in wanted]
     return positions + [TRAILING] if positions and TRAILING in keys else positions
 
 
@@ -368,15 +379,6 @@ def markdown(results, keys, laws, laws_total, headline=(), gate_figures=()) -> s
 # -- figures ---------------------------------------------------------------------------
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _colors(attentions: list[str]) -> dict[str, str]:
     palette = ["tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange"]
     fixed = {"moba": "tab:red", "full": "tab:blue", "hybrid": "tab:green"}
@@ -385,12 +387,14 @@ def _colors(attentions: list[str]) -> dict[str, str]:
 
 def plot(results, keys, laws, path: Path, compute_key: str = "compute_6nd") -> None:
     """Log-log loss vs compute per window: seed means with seed error bars, dashed projections, crossovers."""
-    plt = _pyplot()
+    from matplotlib.figure import Figure
+
     attentions = attentions_of(results)
     colors = _colors(attentions)
     cols = min(4, len(keys))
     rows = math.ceil(len(keys) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    fig = Figure(figsize=(4.2 * cols, 3.4 * rows))
+    axes = fig.subplots(rows, cols, squeeze=False)
     span = measured_range(results, compute_key)
     lo, hi = span[0] / PROJECTION_SPAN, span[1] * PROJECTION_SPAN
     grid = [lo * (hi / lo) ** (i / 63) for i in range(64)]
@@ -414,7 +418,6 @@ def plot(results, keys, laws, path: Path, compute_key: str = "compute_6nd") -> N
         ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _mark_crossovers(ax, laws, key, attentions, span, plotted) -> None:
@@ -431,12 +434,14 @@ def _mark_crossovers(ax, laws, key, attentions, span, plotted) -> None:
 
 def plot_positions(results, path: Path) -> None:
     """Loss by position window, one panel per size, one line per attention (seed means ± seed std)."""
-    plt = _pyplot()
-    positions = [k for k in window_keys(results) if k.startswith(POSITION_PREFIX)]
+    from matplotlib.figure import Figure
+
+    positions = [k for k in window_keys(results) if is_position_key(k)]
     sizes = [p.size for p in size_points(results, REFERENCE, WHOLE)] or sorted({r["size"] for r in results})
     attentions = attentions_of(results)
     colors = _colors(attentions)
-    fig, axes = plt.subplots(1, len(sizes), figsize=(4.2 * len(sizes), 3.4), squeeze=False)
+    fig = Figure(figsize=(4.2 * len(sizes), 3.4))
+    axes = fig.subplots(1, len(sizes), squeeze=False)
     for ax, size in zip(axes.flat, sizes, strict=True):
         for attention in attentions:
             runs = [r for r in results if r["size"] == size and r["attention"] == attention]
@@ -459,7 +464,6 @@ def plot_positions(results, path: Path) -> None:
         ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def copy_gate_figures(results, sweep_dir: Path) -> list[str]:

@@ -39,7 +39,6 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lit.training.metrics import IGNORE_INDEX
 
-VOCAB_SIZE = 256
 PAD_TOKEN = 0  # input filler after a short document ends; its targets are IGNORE_INDEX
 SPLITS = ("train", "val", "test")
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -50,9 +49,6 @@ DOCUMENT_KINDS = ("files", "packages")
 def default_root() -> str:
     """The running interpreter's standard library."""
     return sysconfig.get_paths()["stdlib"]
-
-
-default_corpus_dir = default_root  # older name
 
 
 def default_cache_dir() -> str:
@@ -82,11 +78,6 @@ def list_files(root: str, patterns: Sequence[str] = DEFAULT_PATTERNS) -> list[tu
         if matches(rel, patterns):
             files.append((rel, path.stat().st_size))
     return sorted(files)
-
-
-def list_python_files(corpus_dir: str) -> list[tuple[str, int]]:
-    """Sorted ``(relative path, size in bytes)`` of the ``.py`` files under ``corpus_dir``."""
-    return list_files(corpus_dir, DEFAULT_PATTERNS)
 
 
 def package_of(relative_path: str) -> str:
@@ -376,7 +367,6 @@ class ByteFilesData(L.LightningDataModule):
         cache_dir: where the tokenized corpus is cached; default ``~/.cache/flexmoba``.
         num_workers: DataLoader workers.
         seed: shuffling seed.
-        corpus_dir: older name of ``root``.
     """
 
     def __init__(
@@ -393,7 +383,6 @@ class ByteFilesData(L.LightningDataModule):
         cache_dir: str | None = None,
         num_workers: int = 0,
         seed: int = 0,
-        corpus_dir: str | None = None,
         documents: str = "files",
         min_document_bytes: int | None = None,
     ):
@@ -402,7 +391,7 @@ class ByteFilesData(L.LightningDataModule):
                         val_fraction=val_fraction, test_fraction=test_fraction)
         check_documents(documents, min_document_bytes)
         self.save_hyperparameters()
-        self.root = resolve_root(root, corpus_dir)
+        self.root = os.fspath(root or default_root())
         self.patterns = resolve_patterns(patterns)
         self.seq_len = seq_len
         self.batch_size = batch_size
@@ -421,10 +410,6 @@ class ByteFilesData(L.LightningDataModule):
         self.datasets: dict[str, ByteSequences] = {}
         self._resume: dict | None = None
         self._train_sampler: ResumableSampler | None = None
-
-    @property
-    def corpus_dir(self) -> str:
-        return self.root
 
     # -- corpus -------------------------------------------------------------------------
 
@@ -599,21 +584,6 @@ def check_documents(documents: str, min_document_bytes: int | None) -> None:
         raise ValueError(f"documents must be one of {DOCUMENT_KINDS}, got {documents!r}")
     if min_document_bytes is not None and (not isinstance(min_document_bytes, int) or min_document_bytes <= 0):
         raise ValueError(f"min_document_bytes must be a positive int or None, got {min_document_bytes!r}")
-
-
-def document_counts(data: ByteFilesData) -> dict[str, dict[str, int]]:
-    """Per split, the documents kept and their bytes (reads no file): what a long-context run trains
-    and validates on."""
-    return {split: {"documents": len(docs), "bytes": sum(size for _, size in docs)}
-            for split, docs in data._selected_files().items()}
-
-
-def resolve_root(root: str | None, corpus_dir: str | None) -> str:
-    """``root``, or its older name ``corpus_dir``, or the stdlib."""
-    if root is not None and corpus_dir is not None and root != corpus_dir:
-        raise ValueError(f"root={root!r} and corpus_dir={corpus_dir!r} disagree; corpus_dir is root's older name, "
-                         "give root only")
-    return os.fspath(root or corpus_dir or default_root())
 
 
 def resolve_patterns(patterns: Sequence[str] | str | None) -> list[str]:

@@ -19,6 +19,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from lit.training import metric_names
 from lit.training.errors import TrainingDiverged
 
 
@@ -42,7 +43,7 @@ class DivergenceGuard(L.Callback):
         self.check_grad_norm = check_grad_norm
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
-        self._stop_if_non_finite(trainer, "train/loss", loss.detach())
+        self._stop_if_non_finite(trainer, metric_names.loss("train"), loss.detach())
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
         if not self.check_grad_norm or gradients_are_loss_scaled(trainer):

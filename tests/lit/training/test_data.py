@@ -20,9 +20,8 @@ from lit.training.data import (
     ByteFilesData,
     CorpusError,
     ResumableSampler,
-    default_corpus_dir,
+    default_root,
     list_files,
-    list_python_files,
     package_of,
     split_of,
 )
@@ -57,7 +56,7 @@ def make_data(corpus, tmp_path, **kwargs):
 
 
 def test_lists_only_python_outside_site_packages(corpus):
-    names = [rel for rel, _ in list_python_files(str(corpus))]
+    names = [rel for rel, _ in list_files(str(corpus))]
     assert "notes.txt" not in names and not any("site-packages" in n for n in names)
     assert "pkg/mod00.py" in names and "short.py" in names
 
@@ -241,12 +240,6 @@ def test_min_document_bytes_keeps_long_documents_whole(tmp_path):
         assert all(int(length) == 17 for length in data.datasets[split].lengths)  # every sequence reaches seq_len
 
 
-def test_older_names_still_work(corpus, tmp_path):
-    assert ByteFilesData is ByteFilesData
-    data = ByteFilesData(corpus_dir=str(corpus), seq_len=16, val_fraction=0.2, cache_dir=str(tmp_path / "c"))
-    assert data.root == data.corpus_dir == str(corpus)
-    with pytest.raises(ValueError, match="corpus_dir"):
-        ByteFilesData(root=str(corpus), corpus_dir=str(tmp_path))
 
 
 def test_max_files_slices_every_split(corpus, tmp_path):
@@ -318,7 +311,7 @@ def test_bad_arguments_name_the_parameter(kwargs, name):
 
 
 def test_default_corpus_is_the_stdlib(tmp_path):
-    assert default_corpus_dir() == sysconfig.get_paths()["stdlib"]
+    assert default_root() == sysconfig.get_paths()["stdlib"]
     data = ByteFilesData(seq_len=64, max_files=3, cache_dir=str(tmp_path / "cache"))
     data.prepare_data()
     data.setup("fit")

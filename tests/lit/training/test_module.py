@@ -105,7 +105,7 @@ def test_train_loss_averages_over_real_targets_only(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     python_like_corpus(corpus)
-    data = ByteFilesData(corpus_dir=str(corpus), seq_len=64, batch_size=4, pad_short_docs=True,
+    data = ByteFilesData(root=str(corpus), seq_len=64, batch_size=4, pad_short_docs=True,
                             val_fraction=0.2, cache_dir=str(tmp_path / "cache"))
     module = LitLM(ModelConfig(**TINY, moba=MobaSpec(8, 2, backend="sdpa")), seq_len=64, position_window=32,
                    trailing_window=32, warmup_steps=1)
