@@ -9,7 +9,8 @@ prefill), then each step appends one token and attends with it:
 - dense (grouped): the same buffer, the 4 query heads of a KV head as 4 query rows of one
   SDPA call (flexmoba's dense decode; the faster dense on CPU);
 - MoBA: :class:`flexmoba.kv_cache.MoBAKVCache` update (K/V, O(D) chunk state) and
-  :func:`flexmoba.decode.moba_decode_attention` (dense below ``chunk_size * top_k``).
+  :func:`flexmoba.moba_decode_attention` with ``backend="auto"`` (dense below
+  ``chunk_size * top_k``, the ``gather`` backend's decode kernel above).
 
 The three are timed in interleaved rounds in one process after a warm-up; ratios are the
 median over rounds of (dense time / MoBA time), against the faster dense. The ideal is
@@ -30,9 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import DEFAULT_OUT, finish_report, print_row
-from flexmoba import moba_reference
-from flexmoba.decode import moba_decode_attention
-from flexmoba.kv_cache import MoBAKVCache
+from flexmoba import MoBAKVCache, MobaSpec, moba_decode_attention, moba_reference
 
 COLUMNS = [
     ("seq_len", "context"), ("dense_gqa_ms", "dense SDPA GQA (ms)"), ("dense_grouped_ms", "dense grouped (ms)"),
@@ -63,9 +62,13 @@ class DenseCache:
         return F.scaled_dot_product_attention(q, keys, values, enable_gqa=H != keys.shape[1])
 
 
-def moba_step(cache: MoBAKVCache, q, k_new, v_new, top_k: int):
+def moba_step(cache: MoBAKVCache, q, k_new, v_new, spec: MobaSpec):
     cache.update(k_new, v_new)
-    return moba_decode_attention(q, cache, top_k=top_k)
+    return moba_decode_attention(q, cache, spec)
+
+
+def spec_of(args) -> MobaSpec:
+    return MobaSpec(chunk_size=args.chunk_size, top_k=args.top_k)
 
 
 def max_error_vs_reference(args, seq_len: int) -> float:
@@ -74,9 +77,10 @@ def max_error_vs_reference(args, seq_len: int) -> float:
     q = torch.randn(1, args.heads, seq_len, args.head_dim, generator=gen)
     k, v = (torch.randn(1, args.kv_heads, seq_len, args.head_dim, generator=gen) for _ in range(2))
     ref = moba_reference(q, k, v, chunk_size=args.chunk_size, top_k=args.top_k)
-    cache = MoBAKVCache(args.chunk_size)
+    spec = spec_of(args)
+    cache = MoBAKVCache(spec.chunk_size)
     cache.update(k[:, :, :-4], v[:, :, :-4])
-    rows = [moba_step(cache, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], args.top_k)
+    rows = [moba_step(cache, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], spec)
             for t in range(seq_len - 4, seq_len)]
     return float((torch.cat(rows, dim=2) - ref[:, :, -4:]).abs().max())
 
@@ -102,14 +106,15 @@ def measure(args, seq_len: int) -> dict:
     steps = [tuple(torch.randn(1, h, 1, args.head_dim, generator=gen) for h in heads) for _ in range(args.steps)]
     extra = args.steps * (args.rounds + 2)
     gqa, grouped = DenseCache(k, v, extra, grouped=False), DenseCache(k, v, extra, grouped=True)
-    moba = MoBAKVCache(args.chunk_size)
+    spec = spec_of(args)
+    moba = MoBAKVCache(spec.chunk_size)
     moba.update(k, v)
     moba.update(k[:, :, :1], v[:, :, :1])  # grow the buffers now, not inside a timed step
     inputs = {name: itertools.cycle(steps) for name in ("gqa", "grouped", "moba")}
     fns = {
         "gqa": lambda: gqa.step(*next(inputs["gqa"])),
         "grouped": lambda: grouped.step(*next(inputs["grouped"])),
-        "moba": lambda: moba_step(moba, *next(inputs["moba"]), args.top_k),
+        "moba": lambda: moba_step(moba, *next(inputs["moba"]), spec),
     }
     with torch.no_grad():
         times = interleaved_seconds(fns, args.steps, args.rounds)

@@ -9,9 +9,10 @@ from flexmoba.attention import moba_attention
 from flexmoba.backends import backend_names, register_backend
 from flexmoba.block_mask import moba_block_mask, selection_block_mask
 from flexmoba.compiled_flex import compiled_flex_attention
-from flexmoba.decode import MoBAKVCache, moba_decode_attention
+from flexmoba.decode import moba_decode_attention
 from flexmoba.flex_plan import MoBAFlexPlan, moba_flex_plan
 from flexmoba.gate import Selection, moba_selection, select_chunks
+from flexmoba.kv_cache import MoBAKVCache
 from flexmoba.masks import dense_moba_mask, moba_mask_mod
 from flexmoba.reference import moba_reference
 from flexmoba.spec import MobaSpec

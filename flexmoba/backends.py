@@ -6,14 +6,29 @@ A backend computes exact MoBA attention for a selection the gate already made:
     q: [B, H, S, D], k, v: [B, H_kv, S, D] (H % H_kv == 0), selection: Selection,
     scale: float  ->  out: [B, H, S, Dv] in q's dtype
 
-and may also decode: ``decode(step) -> out`` for a gated decode call
-(:class:`flexmoba.decode.DecodeStep`: new queries at the end of a KV cache). A backend
-without ``decode`` is refused by name when decoding asks for it.
+and may also decode new queries at the end of a KV cache, gated already:
+
+    decode(step) -> out
+    step: flexmoba.decode_kernels.DecodeStep, with
+        q: [B, H, S_new, D]             the new queries, at the last S_new cached positions
+        keys, values: [B, H_kv, T, D]   every cached key and value
+        sums: ChunkKeySums              chunk_size, start [B] (left padding), key blocks
+        scale: float
+        q_pos: [S_new]                  absolute positions, T - S_new + i
+        q_local: [B, S_new]             positions from each row's start (< 0: padding)
+        own: [B, S_new]                 each query's own chunk
+        past, valid: [B, H, S_new, P]   the selected past chunks and which slots are used
+    ->  out: [B, H, S_new, Dv] in q's dtype
+
+(what each query attends: :class:`flexmoba.decode_kernels.DecodeStep`). A backend
+registered without ``decode`` is refused by name when decoding asks for it, never
+replaced by another one.
 
 :func:`flexmoba.moba_attention` and :func:`flexmoba.moba_decode_attention` validate their
 inputs, run the gate once and call the backend by name, so a kernel registered here (a
 FlashMoBA binding, say) gets flexmoba's gate, validation and test suites for free.
-``"auto"`` is not a backend but a choice among them (:func:`resolve_backend`).
+``"auto"`` is not a backend but a choice among them (:func:`resolve_backend` for
+attention, :func:`resolve_decode_backend` for decoding).
 
 Built-in backends (all exact):
 
@@ -26,9 +41,14 @@ Built-in backends (all exact):
   dense, so it costs about as much as full attention.
 - ``"gather"``: queries regrouped per selected chunk, dense attention per group, partial
   results merged by log-sum-exp (:mod:`flexmoba.gather`): differentiable on every device,
-  fused on CPU, work and memory O(S * top_k * chunk_size).
+  fused on CPU, work and memory O(S * top_k * chunk_size). Decodes by reading each query's
+  selected keys (:func:`flexmoba.decode_kernels.gather_decode`: ``embedding_bag`` over the
+  cache's transposed key blocks in fp32, a gathered copy otherwise).
 - ``"sdpa"``: the mask made dense ``[B, H, S, S]`` for SDPA: differentiable everywhere,
-  O(S^2) memory; the fastest for short sequences.
+  O(S^2) memory; the fastest for short sequences. Decodes with one ``[S_new, T]`` mask
+  (:func:`flexmoba.decode_kernels.sdpa_decode`), the choice for chunked prefill.
+
+``"flex"`` and ``"flex_union"`` do not decode.
 """
 
 from __future__ import annotations
@@ -42,12 +62,13 @@ import torch.nn.functional as F
 
 from flexmoba.block_mask import selection_block_mask
 from flexmoba.compiled_flex import compiled_flex_attention
+from flexmoba.decode_kernels import gather_decode, sdpa_decode
 from flexmoba.flex_plan import plan_from_selection
 from flexmoba.gather import gather_moba_attention
 from flexmoba.masks import dense_moba_mask
 
 if TYPE_CHECKING:
-    from flexmoba.decode import DecodeStep
+    from flexmoba.decode_kernels import DecodeStep
     from flexmoba.gate import Selection
 
 __all__ = [
@@ -59,6 +80,7 @@ __all__ = [
     "get_decode_backend",
     "register_backend",
     "resolve_backend",
+    "resolve_decode_backend",
 ]
 
 Backend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "Selection", float], torch.Tensor]
@@ -73,6 +95,9 @@ AUTO = "auto"
 # exactly sparse and fastest at length.
 CPU_GATHER_MIN_SEQ = 512
 CPU_TILE_FLEX_MIN_SEQ = 4096
+# Decoding: up to this many new queries, read each query's selected keys (O(top_k *
+# chunk_size) per query); beyond it (chunked prefill) one [S_new, T] mask for SDPA.
+DECODE_GATHER_MAX_QUERIES = 16
 
 
 @dataclass(frozen=True)
@@ -146,6 +171,24 @@ def resolve_backend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return "gather" if S > chunk_size * top_k and S >= CPU_GATHER_MIN_SEQ else "sdpa"
 
 
+def resolve_decode_backend(backend: str, n_queries: int, n_chunks: int, top_k: int) -> str | None:
+    """The decode backend ``backend`` names, with ``"auto"`` resolved; ``None``: dense attention.
+
+    ``auto``: when every query's own chunk index is below ``top_k`` (``n_chunks <= top_k``,
+    ``n_chunks`` of the longest row), MoBA selects every earlier chunk and equals full causal
+    attention, so it runs as dense attention (``None``), no gate, no chunk state. (One
+    difference, on non-finite input only: MoBA never selects a past chunk whose gate score
+    is NaN or -inf; dense attention attends it.) Otherwise ``gather`` for up to
+    ``DECODE_GATHER_MAX_QUERIES`` new queries, ``sdpa`` for more. A named backend is
+    returned as it is, at every context length.
+    """
+    if backend != AUTO:
+        return backend
+    if n_chunks <= top_k:
+        return None
+    return "gather" if n_queries <= DECODE_GATHER_MAX_QUERIES else "sdpa"
+
+
 def _refuse_cpu_grad(q, k, v) -> None:
     if q.device.type == "cpu" and needs_grad(q, k, v):
         raise ValueError(
@@ -178,5 +221,5 @@ def sdpa_backend(q, k, v, selection: Selection, scale: float) -> torch.Tensor:
 
 register_backend("flex", flex_backend)
 register_backend("flex_union", flex_union_backend)
-register_backend("gather", gather_moba_attention)
-register_backend("sdpa", sdpa_backend)
+register_backend("gather", gather_moba_attention, decode=gather_decode)
+register_backend("sdpa", sdpa_backend, decode=sdpa_decode)

@@ -28,7 +28,7 @@ from flexmoba import validation
 from flexmoba.layout import ChunkLayout, chunk_layout
 from flexmoba.spec import Granularity, MobaSpec, resolve_spec
 
-__all__ = ["Selection", "chunk_means", "moba_selection", "select_chunks"]
+__all__ = ["Selection", "chunk_means", "moba_selection", "select_against_means", "select_chunks"]
 
 
 @dataclass(frozen=True)
@@ -209,6 +209,29 @@ def select_chunks(
         chunks.scatter_(-1, past_chunks, past_valid)
         chunks.scatter_(-1, layout.local_chunk[:, None, :, None].expand(B, H, S, 1), True)
     return Selection(chunks, past_chunks, past_valid, layout, granularity)
+
+
+def select_against_means(
+    q: torch.Tensor, means: torch.Tensor, own: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate the inputs and run MoBA's gate against precomputed chunk means (decoding from
+    a KV cache, whose running sums hold the means): the scoring and tie rule of :func:`select_chunks`.
+
+    Args:
+        q: ``[B, H, S, D]`` queries, each gated alone (token granularity).
+        means: ``[B, H_kv, N, D]`` fp32 chunk means, rounded through the key dtype like
+            :func:`chunk_means`; query head h gates against KV head ``h // (H / H_kv)``.
+        own: ``[B, S]`` ints in ``[0, N)``, each query's own chunk; only chunks before it compete.
+        top_k: chunks per query, counting its own chunk.
+
+    Returns:
+        ``(past_chunks, past_valid)``, each ``[B, H, S, P]`` with ``P = min(top_k - 1, N - 1)``,
+        as in :class:`Selection`.
+    """
+    validation.check_means_gate(q, means, own)
+    top_k = validation.check_positive_int(top_k, "top_k")
+    with torch.no_grad():
+        return select_past_chunks(scores_against_means(q.detach().float(), means), own, top_k)
 
 
 def moba_selection(

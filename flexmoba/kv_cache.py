@@ -2,8 +2,9 @@
 
 Chunk means come from running per-chunk key sums (:class:`ChunkKeySums`), so absorbing a
 new key costs O(D) instead of re-pooling all ``T`` keys every step. On demand the sums also
-keep each chunk's keys transposed, ``[D, chunk_size]``, the layout the ``"blocks"`` decode
-path reads (:mod:`flexmoba.decode`); it costs one extra copy of the keys in memory.
+keep each chunk's keys transposed, ``[D, chunk_size]``, the layout the ``"gather"``
+backend's fp32 decode kernel reads (:mod:`flexmoba.decode_kernels`); it costs one extra copy
+of the keys in memory.
 
 A row may start with padding (left padding, as in batched generation): ``start[b]`` is
 the first real position of row b; chunks are counted from there, and padding positions
@@ -24,7 +25,7 @@ __all__ = ["ChunkKeySums", "MoBAKVCache"]
 
 class ChunkKeySums:
     """Running per-chunk state of the keys: fp32 sums and rounded means for the gate and, on
-    demand, the keys of each chunk transposed (for the ``"blocks"`` path).
+    demand, the keys of each chunk transposed (for the ``"gather"`` backend's fp32 decode).
 
     Attributes:
         sums: ``[B, H_kv, N, D]`` fp32 key sums per chunk (``N`` grows by doubling).
@@ -138,10 +139,12 @@ class MoBAKVCache:
     With ``dense_decode`` every query attending this cache gets full causal attention (the
     paper's protocol for generated tokens), unless the call says otherwise.
 
-    Usage, per layer and step::
+    Usage, per layer (``spec``'s chunk size is the cache's) and step::
 
+        spec = MobaSpec(chunk_size=64, top_k=3)
+        cache = MoBAKVCache(spec.chunk_size)
         keys, values = cache.update(k_new, v_new)       # [B, H_kv, T, D]
-        out = moba_decode_attention(q_new, cache, top_k=3)
+        out = moba_decode_attention(q_new, cache, spec)  # [B, H, S_new, D]; or top_k=3
     """
 
     def __init__(self, chunk_size: int, start: torch.Tensor | None = None, *, dense_decode: bool = False):
@@ -166,6 +169,11 @@ class MoBAKVCache:
     def sums(self) -> ChunkKeySums:
         """The chunk state, brought up to all cached keys."""
         self._sums.update(self.keys[:, :, self._sums.length:])
+        return self._sums
+
+    @property
+    def chunk_state(self) -> ChunkKeySums:
+        """The chunk state as absorbed so far: it may lag behind the keys (:attr:`sums` brings it up)."""
         return self._sums
 
     @property

@@ -211,7 +211,7 @@ class CausalSelfAttention(nn.Module):
         """Append k, v to the cache; attend the new queries over it (MoBA decode or full causal)."""
         cache.update(k, v)
         if self.active_kind == "moba":
-            return moba_decode_attention(q, cache, top_k=self.config.moba.top_k)
+            return moba_decode_attention(q, cache, self.config.moba)
         return dense_decode_attention(q, cache)
 
 

@@ -18,7 +18,6 @@ __all__ = [
     "check_cu_seqlens",
     "check_decode_args",
     "check_document_ids",
-    "check_float32",
     "check_gate_inputs",
     "check_granularity",
     "check_layout",
@@ -27,8 +26,9 @@ __all__ = [
     "check_qkv",
     "check_scale",
     "check_start",
-    "check_sums_hold",
     "check_tensor",
+    "check_means_gate",
+    "check_sums_within",
     "softmax_scale",
 ]
 
@@ -202,8 +202,8 @@ def check_cache(cache, cache_type: type) -> None:
         raise ValueError("the cache is empty; call cache.update(k_new, v_new) before attending")
 
 
-def check_decode_args(q, keys, values, top_k) -> int:
-    """``q: [B, H, S_new, D]`` at the end of ``keys, values: [B, H_kv, T, D]`` (``S_new <= T``); returns ``top_k``."""
+def check_decode_args(q, keys, values) -> None:
+    """``q: [B, H, S_new, D]`` at the end of ``keys, values: [B, H_kv, T, D]`` (``S_new <= T``)."""
     check_tensor(q, "q", 4)
     check_tensor(keys, "keys", 4)
     S_new, T = q.shape[2], keys.shape[2]
@@ -211,16 +211,28 @@ def check_decode_args(q, keys, values, top_k) -> int:
         raise ValueError(f"q has {S_new} positions but the cache holds only {T} keys (queries sit at its end)")
     # The q/k/v checks want equal lengths: check q against the last S_new cached positions.
     check_qkv(q, keys[:, :, T - S_new:], values[:, :, T - S_new:])
-    return check_positive_int(top_k, "top_k")
 
 
-def check_sums_hold(sums_length: int, n_keys: int) -> None:
-    """Running chunk sums must hold exactly the ``n_keys`` keys they are used with."""
-    if sums_length != n_keys:
-        raise ValueError(f"chunk sums hold {sums_length} keys but keys hold {n_keys}; update the sums first")
+def check_sums_within(sums_length: int, n_keys: int) -> None:
+    """Running chunk sums may lag behind the ``n_keys`` keys they are used with, never run ahead."""
+    if sums_length > n_keys:
+        raise ValueError(f"chunk sums hold {sums_length} keys but keys hold only {n_keys}; "
+                         "the sums belong to another cache")
 
 
-def check_float32(q, values, path: str) -> None:
-    """``path`` reads fp32 buffers only: ``q`` and ``values`` must be float32."""
-    if not q.dtype == values.dtype == torch.float32:
-        raise TypeError(f"path={path!r} needs float32 q, keys and values, got {q.dtype}; use path='gather'")
+def check_means_gate(q, means, own) -> None:
+    """``q: [B, H, S, D]`` against ``means: [B, H_kv, N, D]`` fp32 (``H % H_kv == 0``), ``own: [B, S]`` ints."""
+    check_tensor(q, "q", 4)
+    check_tensor(means, "means", 4)
+    B, H, S, D = q.shape
+    if means.dtype != torch.float32:
+        raise TypeError(f"means must be float32 (rounded through the key dtype, then fp32), got {means.dtype}")
+    if means.device != q.device:
+        raise ValueError(f"means is on {means.device} but q is on {q.device}")
+    if means.shape[0] != B or means.shape[3] != D or means.shape[2] < 1 or H % means.shape[1]:
+        raise ValueError(f"means must be [B, H_kv, N, D] = [{B}, H_kv, N >= 1, {D}] with {H} % H_kv == 0 "
+                         f"to match q, got {tuple(means.shape)}")
+    if not isinstance(own, torch.Tensor) or own.is_floating_point() or own.dtype == torch.bool:
+        raise TypeError(f"own must be an integer tensor [B, S], got {getattr(own, 'dtype', type(own).__name__)}")
+    if tuple(own.shape) != (B, S) or own.device != q.device:
+        raise ValueError(f"own must be [B, S] = [{B}, {S}] on {q.device}, got {tuple(own.shape)} on {own.device}")

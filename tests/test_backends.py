@@ -1,5 +1,5 @@
 """The backend table: every registered backend against the oracle and the official vectors,
-the registration contract, and which backend ``auto`` picks."""
+the registration contract (attention and decoding), and which backend ``auto`` picks."""
 
 from unittest import mock
 
@@ -8,9 +8,23 @@ import torch
 from hypothesis import given
 from torch.nn.attention.flex_attention import flex_attention
 
-from flexmoba import backend_names, moba_attention, moba_attention_varlen, register_backend
+from flexmoba import (
+    MoBAKVCache,
+    backend_names,
+    moba_attention,
+    moba_attention_varlen,
+    moba_decode_attention,
+    register_backend,
+)
 from flexmoba import backends as backend_table
-from flexmoba.backends import CPU_GATHER_MIN_SEQ, CPU_TILE_FLEX_MIN_SEQ, resolve_backend
+from flexmoba.backends import (
+    CPU_GATHER_MIN_SEQ,
+    CPU_TILE_FLEX_MIN_SEQ,
+    DECODE_GATHER_MAX_QUERIES,
+    resolve_backend,
+    resolve_decode_backend,
+)
+from flexmoba.decode_kernels import DecodeStep
 from flexmoba.gate import Selection
 
 import oracle
@@ -105,6 +119,65 @@ def test_auto_is_reserved_and_unknown_names_are_refused():
     q, k, v = random_inputs(0, 1, 1, 1, 8, 4)
     with pytest.raises(ValueError, match="backend must be one of"):
         moba_attention(q, k, v, chunk_size=4, top_k=1, backend="nope")
+
+
+def filled_cache(chunk_size=4, length=20, seed=0):
+    """A MoBAKVCache holding ``length`` random keys and values ``[1, 1, length, 4]``; and q ``[1, 2, 2, 4]``."""
+    q, k, v = random_inputs(seed, 1, 2, 1, length, 4)
+    cache = MoBAKVCache(chunk_size)
+    cache.update(k, v)
+    return q[:, :, -2:], cache
+
+
+def test_a_registered_decode_kernel_receives_the_gated_step_and_its_output_is_returned(scratch_backend):
+    seen = {}
+
+    def marker(step):
+        seen["step"] = step
+        return torch.full_like(step.q, 5.0)
+
+    register_backend(scratch_backend, lambda q, k, v, selection, scale: q, decode=marker)
+    q, cache = filled_cache()
+    out = moba_decode_attention(q, cache, top_k=2, backend=scratch_backend, scale=0.25)
+    assert torch.equal(out, torch.full_like(q, 5.0))
+    step = seen["step"]
+    assert isinstance(step, DecodeStep)
+    assert step.scale == 0.25 and step.keys.shape == (1, 1, 20, 4) and step.q is q
+    assert step.q_pos.tolist() == [18, 19] and step.own.tolist() == [[4, 4]]
+    assert step.past.shape == step.valid.shape == (1, 2, 2, 1) and bool(step.valid.all())
+
+
+def test_a_backend_without_decode_is_refused_by_name(scratch_backend):
+    register_backend(scratch_backend, lambda q, k, v, selection, scale: q)
+    q, cache = filled_cache()
+    with pytest.raises(ValueError, match=f"^backend '{scratch_backend}' does not decode") as error:
+        moba_decode_attention(q, cache, top_k=2, backend=scratch_backend)
+    assert "\n" not in str(error.value)
+    assert "'gather', 'sdpa'" in str(error.value)  # the backends that do decode
+
+
+def test_the_built_in_decoders():
+    for name in ("gather", "sdpa"):
+        assert backend_table.get_decode_backend(name) is not None
+    for name in FLEX_BACKENDS:
+        with pytest.raises(ValueError, match=f"backend '{name}' does not decode"):
+            backend_table.get_decode_backend(name)
+
+
+@pytest.mark.parametrize("n_queries, n_chunks, top_k, expected", [
+    (1, 3, 3, None),                                # own chunk index < top_k everywhere: dense
+    (DECODE_GATHER_MAX_QUERIES + 1, 3, 3, None),
+    (1, 4, 3, "gather"),                            # a chunk is skipped: MoBA gates
+    (DECODE_GATHER_MAX_QUERIES, 4, 3, "gather"),
+    (DECODE_GATHER_MAX_QUERIES + 1, 4, 3, "sdpa"),  # chunked prefill: one mask
+])
+def test_auto_decode_routing(n_queries, n_chunks, top_k, expected):
+    assert resolve_decode_backend("auto", n_queries, n_chunks, top_k) == expected
+
+
+def test_named_decode_backends_pass_through_at_every_length():
+    for name in backend_names():
+        assert resolve_decode_backend(name, 1, 1, 3) == name
 
 
 def test_flex_refuses_gradients_on_cpu():

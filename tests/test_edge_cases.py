@@ -24,8 +24,8 @@ from flexmoba import (
     moba_flex_plan,
     select_chunks,
 )
-from flexmoba.decode import gate_step, moba_decode_attention
-from flexmoba.gate import tie_broken_keys
+from flexmoba.decode import moba_decode_attention
+from flexmoba.gate import select_against_means, tie_broken_keys
 from flexmoba.gather import QUERY_BLOCK
 from flexmoba.kv_cache import ChunkKeySums, MoBAKVCache
 
@@ -88,8 +88,8 @@ def test_exact_ties_go_to_the_later_chunk(n_chunks):
     chosen = selection.chunks[0, :, -1].nonzero()[:, 1].view(2, -1)
     assert chosen.tolist() == [list(range(last - top_k + 1, last + 1))] * 2
 
-    step = gate_step(q[:, :, -1:], k, k, ChunkKeySums.from_keys(k, c), top_k, 1.0)
-    assert sorted(step.past[0, :, 0].flatten().tolist()) == sorted([last - 1, last - 2, last - 3] * 2)
+    past, _ = select_against_means(q[:, :, -1:], ChunkKeySums.from_keys(k, c).means(), torch.tensor([[last]]), top_k)
+    assert sorted(past[0, :, 0].flatten().tolist()) == sorted([last - 1, last - 2, last - 3] * 2)
 
 
 @given(st.lists(st.floats(allow_nan=False, width=32) | st.sampled_from([0.0, -0.0]), min_size=1, max_size=12))
@@ -123,16 +123,16 @@ def test_tied_gate_scores_flex_plan_equals_oracle(problem):
     torch.testing.assert_close(eager_flex_plan_out(problem).double(), oracle_out(problem), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("path", ["auto", "blocks", "gather", "mask"])
+@pytest.mark.parametrize("backend", ["auto", "gather", "sdpa"])
 @pytest.mark.parametrize("pieces", [[1] * 44, [8, 8, 8, 8, 8, 4], [5, 3, 16, 1, 7, 12]],
                          ids=["tokens", "chunk_boundaries", "mixed"])
-def test_tied_gate_scores_decode_equals_oracle(path, pieces):
+def test_tied_gate_scores_decode_equals_oracle(backend, pieces):
     chunk, top_k = 8, 3
     q, k, v = integer_inputs(7, 2, 4, 2, 44, 4)
     cache, outs, t = MoBAKVCache(chunk), [], 0
     for n in pieces:
         cache.update(k[:, :, t:t + n], v[:, :, t:t + n])
-        outs.append(moba_decode_attention(q[:, :, t:t + n], cache, top_k=top_k, path=path))
+        outs.append(moba_decode_attention(q[:, :, t:t + n], cache, top_k=top_k, backend=backend))
         t += n
     expected = oracle.attention(q, k, v, chunk, top_k).float()
     torch.testing.assert_close(torch.cat(outs, 2), expected, atol=1e-5, rtol=1e-5)
@@ -150,9 +150,9 @@ def test_top_k_far_beyond_the_chunks_is_causal_attention(backend):
     elif backend == "decode":
         cache = MoBAKVCache(4)
         cache.update(k[:, :, :20], v[:, :, :20])
-        first = moba_decode_attention(q[:, :, :20], cache, top_k=top_k, path="mask")
+        first = moba_decode_attention(q[:, :, :20], cache, top_k=top_k, backend="sdpa")
         cache.update(k[:, :, 20:], v[:, :, 20:])
-        got = torch.cat([first, moba_decode_attention(q[:, :, 20:], cache, top_k=top_k, path="gather")], 2)
+        got = torch.cat([first, moba_decode_attention(q[:, :, 20:], cache, top_k=top_k, backend="gather")], 2)
     else:
         got = run_backend(backend, q, k, v, chunk_size=4, top_k=top_k)
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

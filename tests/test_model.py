@@ -131,6 +131,12 @@ def test_cached_decoding_equals_one_parallel_forward(attention, kv_heads):
     torch.testing.assert_close(torch.cat([prefill, *steps], dim=1), parallel, atol=1e-4, rtol=1e-4)
 
 
+def test_cached_decoding_uses_the_config_spec_backend_included():
+    model = GPT(tiny(moba=MobaSpec(16, 2, backend="flex"))).eval()  # flex does not decode
+    with torch.no_grad(), pytest.raises(ValueError, match="backend 'flex' does not decode"):
+        model(tokens(seq_len=8), model.new_caches())
+
+
 def test_generate_with_and_without_cache_agree():
     torch.manual_seed(0)
     model = GPT(ModelConfig(n_layers=2, d_model=32, n_heads=2, moba=MobaSpec(4, 2, backend="sdpa"))).eval()

@@ -13,7 +13,8 @@ Qwen2/3, Gemma, ... in transformers >= 4.48) then runs MoBA in every causal laye
 - prefill and training (``q_len == kv_len``): :func:`flexmoba.moba_attention` on the
   chosen backend, K/V in their own (possibly fewer, GQA) heads, the module's ``scaling``;
 - decoding and chunked prefill with a cache (``q_len < kv_len``, queries at the end of
-  the keys): :func:`flexmoba.decode.decode_attention`, or full causal attention for
+  the keys): the decode dispatch of :func:`flexmoba.moba_decode_attention` with the
+  model's settings (its backend included), or full causal attention for
   every cached step with ``dense_decode=True`` (the paper's protocol: MoBA prefill, full
   attention for generated tokens).
 
@@ -30,7 +31,7 @@ running per-chunk key sums beside it (``module._flexmoba_chunk_sums``): one new 
 O(D) instead of re-pooling all cached keys, which would cost as much as dense attention
 and erase the gain. Once the context outgrows ``chunk_size * top_k`` (below that, decoding
 is dense attention), fp32 models also keep a chunk-transposed copy of the keys there, so
-a step reads its selected keys without gathering them (see :mod:`flexmoba.decode`); it
+a step reads its selected keys without gathering them (see :mod:`flexmoba.decode_kernels`); it
 costs one more copy of each layer's keys in memory. The sums are rebuilt from the cached keys (O(T), once) whenever they
 cannot be trusted: first decode step, new cache, cache cropped or reordered (the sums
 remember their length and the last key they absorbed and compare them with the cache).
@@ -61,7 +62,7 @@ import torch.nn.functional as F
 
 from flexmoba import validation
 from flexmoba.attention import moba_attention
-from flexmoba.decode import decode_attention, dense_causal_attention
+from flexmoba.decode import attend_cached_keys, dense_causal_attention
 from flexmoba.kv_cache import ChunkKeySums
 from flexmoba.spec import MobaSpec
 
@@ -103,8 +104,9 @@ class MobaSettings:
             tiles have no decode path, so they decode only with ``dense_decode``.
         dense_decode: full causal attention whenever the model runs with cached keys
             (``q_len < kv_len``), MoBA for prefill only.
-        backend: :func:`flexmoba.moba_attention` backend for prefill/training
-            (``"auto"``, ``"flex"``, ``"sdpa"``, ``"gather"``).
+        backend: the backend for prefill/training (``"auto"``, ``"flex"``, ``"sdpa"``,
+            ``"gather"``) and for cached decoding, where ``"flex"`` is refused (it does not
+            decode: use ``"auto"``, or ``dense_decode``).
         chunk_means: ``"running"`` (O(D) per new key, kept beside the cache and checked
             against it) or ``"recompute"`` (re-pooled from the cached keys every step,
             O(T * D), always exact: use it when the cache is edited in place at constant
@@ -290,7 +292,7 @@ def cached_attention(module, query, key, value, attention_mask, settings: MobaSe
                          f"config.{CONFIG_KEY}['dense_decode'] = True or re-run the whole sequence without a cache")
     sums = running_chunk_sums(module, key, kv_len - q_len, start, settings.chunk_size,
                               trust=settings.chunk_means == "running")
-    return decode_attention(query, key, value, sums, top_k=settings.top_k, scale=scaling)
+    return attend_cached_keys(query, key, value, sums, settings.spec, scale=scaling)
 
 
 def prefill_document_ids(attention_mask, position_ids, batch: int, seq_len: int, device) -> torch.Tensor | None:

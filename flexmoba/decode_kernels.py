@@ -1,0 +1,265 @@
+"""The decode kernels: how a gated decode call reads the keys its queries selected.
+
+Each kernel takes a :class:`DecodeStep` (new queries at the end of a KV cache, the gate
+already run) and returns ``[B, H, S_new, Dv]`` in q's dtype; :mod:`flexmoba.backends`
+registers them as the built-in backends' ``decode``:
+
+- :func:`gather_decode` (``"gather"``): each query reads only its selected chunks. With
+  fp32 q, keys and values and a chunk state that keeps blocks, a query's logits against a
+  chunk are one weighted sum of the D rows of that chunk's transposed keys
+  (:attr:`flexmoba.kv_cache.ChunkKeySums.blocks`) and its output one weighted sum of value
+  rows: ``embedding_bag`` computes both straight from the buffers, with no gathered copy.
+  Otherwise it gathers a copy of each query's selected keys and values (fp32 softmax).
+- :func:`sdpa_decode` (``"sdpa"``): the selection as one ``[B, H, S_new, T]`` mask for
+  SDPA (chunked prefill, many queries).
+
+:func:`dense_causal_attention` is full causal attention over the cache: decoding's dense
+shortcut and ``dense_decode``.
+
+Padding (left, ``start[b]`` the first real position of row b): real queries never attend
+the positions before ``start``, even when they hold non-finite values; padding queries
+attend only themselves (a meaningless output).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from flexmoba.kv_cache import ChunkKeySums
+
+__all__ = ["DecodeStep", "dense_causal_attention", "gather_decode", "gathered_attention", "masked_attention",
+           "sdpa_decode"]
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """``x: [B, H_kv, T, D]`` as a ``[R, D]`` table of rows (no copy when each row is contiguous,
+    e.g. a view of a cache buffer), and the row step of b, kv head and position."""
+    D = x.shape[-1]
+    if x.stride(-1) != 1 or any(st % D for st in x.stride()[:3]) or x.stride(2) != D:
+        x = x.contiguous()
+    steps = [st // D for st in x.stride()[:3]]
+    n_rows = sum((size - 1) * st for size, st in zip(x.shape[:3], steps, strict=True)) + 1
+    table = x.as_strided((n_rows, D), (D, 1), x.storage_offset())
+    return table, steps
+
+
+@functools.lru_cache(maxsize=64)
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """``torch.arange(n)``, made once per size and device: decode steps reuse the same few."""
+    return torch.arange(n, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def _kv_head(B: int, H: int, H_kv: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(batch [B, 1, 1, 1], kv head of each query head [1, H, 1, 1])`` for index arithmetic."""
+    batch = torch.arange(B, device=device).view(B, 1, 1, 1)
+    kv_head = (torch.arange(H, device=device) // (H // H_kv)).view(1, H, 1, 1)
+    return batch, kv_head
+
+
+def gathered_attention(q, keys, values, key_pos, allowed, scale):
+    """Each query attends its own list of key positions.
+
+    ``key_pos, allowed: [B, H, S_new, L]`` (positions into ``keys: [B, H_kv, T, D]``) ->
+    ``[B, H, S_new, Dv]``. Softmax in fp32, like :func:`flexmoba.moba_reference`.
+    """
+    B, H, S_new, L = key_pos.shape
+    batch, kv_head = _kv_head(B, H, keys.shape[1], q.device)
+
+    def gather(x):  # [B, H_kv, T, D] -> [B, H, S_new, L, D] fp32
+        table, steps = _rows(x)
+        index = batch * steps[0] + kv_head * steps[1] + key_pos * steps[2]
+        return table.index_select(0, index.flatten()).view(B, H, S_new, L, -1).float()
+
+    logits = torch.einsum("bhsld,bhsd->bhsl", gather(keys), q.float()) * scale
+    probs = logits.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+    return torch.einsum("bhsl,bhsld->bhsd", probs, gather(values)).to(q.dtype)
+
+
+def masked_attention(q, keys, values, allowed, scale):
+    """``allowed: [B, 1 or H, S_new, T]`` bool -> ``[B, H, S_new, Dv]`` via SDPA."""
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scale,
+                                          enable_gqa=q.shape[1] != keys.shape[1])
+
+
+def _zero_padding(keys, values, start: torch.Tensor):
+    """Keys and values with the positions before ``start: [B]`` set to 0.
+
+    SDPA adds the mask to ``q . k`` and multiplies probabilities by ``v``: a NaN or inf in a
+    masked-out padding key or value would still reach every row (NaN - inf, 0 * inf).
+    """
+    real = (torch.arange(keys.shape[2], device=keys.device)[None, :] >= start[:, None])[:, None, :, None]
+    return keys.masked_fill(~real, 0), values.masked_fill(~real, 0)
+
+
+def dense_causal_attention(q, keys, values, start: torch.Tensor | None = None,
+                           scale: float | None = None) -> torch.Tensor:
+    """Full causal attention of ``q: [B, H, S_new, D]`` aligned to the end of ``keys, values: [B, H_kv, T, D]``.
+
+    ``start: [B]`` first real position of each row, or ``None`` for no padding. Real
+    queries attend every real key up to themselves; padding queries attend only themselves.
+    """
+    B, H, S_new, D = q.shape
+    H_kv, T = keys.shape[1], keys.shape[2]
+    if start is not None:
+        keys, values = _zero_padding(keys, values, start)
+    if S_new == 1:  # one query per head: the heads of a KV group become the query rows of one call
+        allowed = None if start is None else _dense_allowed(start, T, 1, q.device)[:, None]  # [B, 1, 1, T]
+        out = F.scaled_dot_product_attention(q.reshape(B, H_kv, H // H_kv, D), keys, values,
+                                             attn_mask=allowed, scale=scale)
+        return out.reshape(B, H, 1, -1)
+    if start is None and S_new == T:
+        return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale,
+                                              enable_gqa=H != H_kv)
+    start = torch.zeros(B, dtype=torch.long, device=q.device) if start is None else start
+    return masked_attention(q, keys, values, _dense_allowed(start, T, S_new, q.device)[:, None], scale)
+
+
+def _dense_allowed(start: torch.Tensor, T: int, S_new: int, device) -> torch.Tensor:
+    """``[B, S_new, T]`` bool: the causal, padding-aware mask of the last ``S_new`` queries."""
+    q_pos = T - S_new + torch.arange(S_new, device=device)
+    key_pos = torch.arange(T, device=device)
+    key_real = key_pos[None, :] >= start[:, None]  # [B, T]
+    causal = key_pos[None, :] <= q_pos[:, None]  # [S_new, T]
+    q_pad = (q_pos[None, :] < start[:, None])[:, :, None]  # [B, S_new, 1]
+    return torch.where(q_pad, key_pos == q_pos[:, None], key_real[:, None, :] & causal)
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """One gated decode call, what a backend's ``decode(step) -> [B, H, S_new, Dv]`` receives.
+
+    Query i (row b, head h) attends every key of the chunks ``past[b, h, i]`` where ``valid``
+    holds, and its own chunk ``own[b, i]`` up to itself. Chunk j of row b covers positions
+    ``sums.start[b] + j * sums.chunk_size`` onwards; nothing before ``start`` is attended,
+    and a padding query (``q_local < 0``) attends only its own position.
+
+    Attributes:
+        q: ``[B, H, S_new, D]`` new queries, at the last ``S_new`` positions of the keys.
+        keys, values: ``[B, H_kv, T, D]`` all cached keys and values, ``H % H_kv == 0``
+            (query head h reads KV head ``h // (H / H_kv)``).
+        sums: the chunk state of those keys (:class:`flexmoba.kv_cache.ChunkKeySums`:
+            ``chunk_size``, ``start: [B]``, ``padded``, transposed key blocks on demand).
+        scale: softmax scale.
+        q_pos: ``[S_new]`` absolute position of each query, ``T - S_new + i``.
+        q_local: ``[B, S_new]`` position of each query from its row's ``start`` (< 0: padding).
+        own: ``[B, S_new]`` each query's own chunk (0 for padding queries).
+        past, valid: ``[B, H, S_new, P]`` the selected past chunks, ``P = min(top_k - 1, N - 1)``
+            for ``N`` chunks, and which slots are used (an unused slot's index is arbitrary).
+    """
+
+    q: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    sums: ChunkKeySums
+    scale: float
+    q_pos: torch.Tensor
+    q_local: torch.Tensor
+    own: torch.Tensor
+    past: torch.Tensor
+    valid: torch.Tensor
+
+
+def _slots(step: DecodeStep) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selected chunks as ``(chunks, used)``, each ``[B, H, S_new, P + 1]``, own chunk last."""
+    B, H, S_new, _ = step.past.shape
+    chunks = torch.cat([step.past, step.own[:, None, :, None].expand(B, H, S_new, 1)], dim=-1)
+    return chunks, F.pad(step.valid, (0, 1), value=True)
+
+
+def _blocks_selected(step: DecodeStep) -> torch.Tensor:
+    """``[B, H, S_new, Dv]``: logits from the transposed key blocks, outputs from the value rows,
+    both by ``embedding_bag``."""
+    q, sums, q_local = step.q, step.sums, step.q_local
+    B, H, S_new, _ = q.shape
+    c = sums.chunk_size
+    chunks, used = _slots(step)  # [B, H, S_new, K]
+    # Past slots are all or nothing; the own chunk (last slot) is cut at the query.
+    last = torch.where(used, c - 1, -1)
+    last[..., -1] = (q_local - step.own * c)[:, None, :]
+    allowed = _arange(c, q.device) <= last[..., None]  # [B, H, S_new, K, c]
+    L = allowed.shape[-2] * c
+    logits = _block_logits(q, sums.key_blocks(step.keys), chunks, step.scale).view(allowed.shape)
+    logits = torch.where(allowed, logits, float("-inf")).view(B, H, S_new, L)
+    if sums.padded:  # a padding query attends only itself: slot 0, its own row below
+        logits[..., 0] = logits[..., 0].masked_fill((q_local < 0)[:, None, :], 0.0)
+    probs = logits.softmax(dim=-1)
+
+    table, steps = _rows(step.values)
+    batch, kv_head = _kv_head(B, H, step.values.shape[1], q.device)
+    row0 = batch * steps[0] + kv_head * steps[1] + sums.start.view(B, 1, 1, 1) * steps[2]  # local position 0
+    own_row = row0[..., 0] + q_local[:, None, :] * steps[2]  # [B, H, S_new]
+    first = row0 + chunks * (c * steps[2])  # [B, H, S_new, K]
+    index = first[..., None] + _arange(c, q.device) * steps[2]
+    # Masked-out slots read the query's own row (weight 0): a key it attends anyway, so a
+    # non-finite value there cannot reach the output through 0 * inf.
+    index = torch.where(allowed, index, own_row[..., None, None]).view(-1, L)
+    out = F.embedding_bag(index, table, per_sample_weights=probs.view(-1, L), mode="sum")
+    return out.view(B, H, S_new, -1).to(q.dtype)
+
+
+def _block_logits(q, blocks, chunks, scale):
+    """``q . k * scale`` of ``q: [B, H, S_new, D]`` with every key of its ``chunks: [B, H, S_new, K]``,
+    read from ``blocks: [B, H_kv, N, D, c]`` -> ``[B, H, S_new, K * c]`` fp32.
+
+    One bag per (query, chunk): the chunk's D rows of ``blocks`` weighted by the query. Bags
+    run in (kv head, query, slot, head in group) order, so the heads of a group read their
+    shared own chunk back to back, while it is still in cache.
+    """
+    B, H, S_new, D = q.shape
+    H_kv, N, c = blocks.shape[1], blocks.shape[2], blocks.shape[-1]
+    g, K = H // H_kv, chunks.shape[-1]
+    by_group = chunks.view(B, H_kv, g, S_new, K).permute(0, 1, 3, 4, 2).contiguous()  # [B, H_kv, S_new, K, g]
+    first = (by_group + _arange(B * H_kv, q.device).view(B, H_kv, 1, 1, 1) * N) * D
+    index = (first[..., None] + _arange(D, q.device)).view(-1, D)
+    weights = (q.float() * scale).view(B, H_kv, g, S_new, 1, D).permute(0, 1, 3, 4, 2, 5)
+    weights = weights.expand(B, H_kv, S_new, K, g, D).reshape(-1, D)
+    logits = F.embedding_bag(index, blocks.view(-1, c), per_sample_weights=weights, mode="sum")
+    return logits.view(B, H_kv, S_new, K, g, c).permute(0, 1, 4, 2, 3, 5).reshape(B, H, S_new, K * c)
+
+
+def _gather_selected(step: DecodeStep) -> torch.Tensor:
+    """Gather each query's selected chunks (past ones whole, its own up to itself) and attend."""
+    q, q_pos, c = step.q, step.q_pos, step.sums.chunk_size
+    B, H, S_new, _ = q.shape
+    T = step.keys.shape[2]
+    chunks, used = _slots(step)
+    first = step.sums.start[:, None, None, None] + chunks * c
+    # A padding query's "own chunk" starts at itself, so it attends only itself.
+    first[..., -1] = torch.where((step.q_local < 0)[:, None, :], q_pos[None, None, :], first[..., -1])
+    positions = first[..., None] + torch.arange(c, device=q.device)  # [B, H, S_new, P + 1, c]
+    allowed = used[..., None] & (positions <= q_pos[None, None, :, None, None])
+    L = positions.shape[-2] * c
+    return gathered_attention(q, step.keys, step.values, positions.clamp(max=T - 1).view(B, H, S_new, L),
+                              allowed.view(B, H, S_new, L), step.scale)
+
+
+def sdpa_decode(step: DecodeStep) -> torch.Tensor:
+    """``"sdpa"``'s decode: the selection as one ``[B, H, S_new, T]`` mask for SDPA (chunked prefill)."""
+    q, keys, values, q_pos, own, start = step.q, step.keys, step.values, step.q_pos, step.own, step.sums.start
+    if step.sums.padded:
+        keys, values = _zero_padding(keys, values, start)
+    B, H, S_new, _ = q.shape
+    T = keys.shape[2]
+    key_pos = torch.arange(T, device=q.device)
+    key_local = key_pos[None, :] - start[:, None]  # [B, T]
+    n_chunks = int(torch.cat([own.flatten(), step.past.flatten()]).max()) + 1  # unused slots may point past own
+    selected = torch.zeros(B, H, S_new, n_chunks, dtype=torch.bool, device=q.device)
+    selected.scatter_(-1, step.past, step.valid)
+    selected.scatter_(-1, own[:, None, :, None].expand(B, H, S_new, 1), True)
+    key_chunk = (key_local.clamp(min=0) // step.sums.chunk_size).clamp(max=selected.shape[-1] - 1)
+    allowed = selected.gather(-1, key_chunk[:, None, None, :].expand(B, H, S_new, T))
+    allowed &= ((key_local >= 0)[:, None, :] & (key_pos[None, :] <= q_pos[:, None]))[:, None]
+    q_pad = (step.q_local < 0)[:, None, :, None]  # [B, 1, S_new, 1]
+    return masked_attention(q, keys, values, torch.where(q_pad, key_pos == q_pos[:, None], allowed), step.scale)
+
+
+def gather_decode(step: DecodeStep) -> torch.Tensor:
+    """``"gather"``'s decode: the ``embedding_bag`` kernel on fp32 buffers whose chunk state
+    keeps blocks, the gathered copy otherwise (see the module docstring)."""
+    fp32 = step.q.dtype == step.keys.dtype == step.values.dtype == torch.float32
+    return _blocks_selected(step) if fp32 and step.sums.keep_blocks else _gather_selected(step)
