@@ -56,6 +56,7 @@ from benchmarks.common import (
     settle_malloc,
     write_report,
 )
+from benchmarks.verdict import one_line
 from flexmoba import compiled_flex_attention, moba_attention, select_chunks, selection_block_mask
 from flexmoba.flex_plan import plan_from_selection
 from flexmoba.gather import gather_moba_attention
@@ -413,6 +414,19 @@ def report(rows: list[dict], locality_table: list[dict], args, device_name: str)
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    rows, localities = run(args)
+    path = report(rows, localities, args, torch.device(args.device).type)
+    print()
+    print(path.read_text())
+    print(f"written to {path} and {path.with_suffix('.json')}")
+
+
+def run(args, not_timed: dict[str, str] | None = None) -> tuple[list[dict], list[dict]]:
+    """(attention rows, locality rows) of ``args``; the report is rewritten after every row.
+
+    ``not_timed``: method -> why it is reported but not timed (e.g. it failed its oracle check).
+    """
+    not_timed = not_timed or {}
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     want_backward = not args.no_backward
     if device.type == "cpu":
@@ -435,7 +449,10 @@ def main(argv=None) -> None:
             row = {"table": "attention", "seq_len": seq_len, "config": config, "method": case.method,
                    "heads": q.shape[1], "kv_heads": k.shape[1], "head_dim": q.shape[-1], "dtype": args.dtype,
                    "inputs": args.inputs}
-            row.update(run_case(case, args, device, want_backward, started))
+            if case.method in not_timed:
+                row["note"] = not_timed[case.method]
+            else:
+                row.update(run_case(case, args, device, want_backward, started))
             if case.method == "sdpa_causal":
                 reference = row
             add_ratios(row, reference)
@@ -443,14 +460,11 @@ def main(argv=None) -> None:
             print_row(row, COLUMNS)
             report(rows, localities, args, device.type)
         del q, k, v
-    path = report(rows, localities, args, device.type)
-    print()
-    print(path.read_text())
-    print(f"written to {path} and {path.with_suffix('.json')}")
+    return rows, localities
 
 
 def run_case(case: Case, args, device, want_backward: bool, started: float) -> dict:
-    """Measure one case unless it would not fit or the time budget is spent; never raises OOM."""
+    """Measure one case unless it would not fit or the time budget is spent; never raises."""
     if args.time_budget is not None and time.perf_counter() - started > args.time_budget:
         return {"note": "skipped (time budget)"}
     skip = memory_skip(case, args, device)
@@ -458,13 +472,13 @@ def run_case(case: Case, args, device, want_backward: bool, started: float) -> d
         return {"note": skip}
     try:
         return measure(case, args, want_backward)
-    except RuntimeError as error:  # torch.OutOfMemoryError (CUDA) and CPU allocator failures
-        message = str(error).lower()
-        if "out of memory" not in message and "can't allocate" not in message:
-            raise
+    except Exception as error:  # one broken row is reported and must not hide the others
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        return {"note": "out of memory"}
+        message = str(error).lower()
+        if "out of memory" in message or "can't allocate" in message:  # CUDA OOM and CPU allocator failures
+            return {"note": "out of memory"}
+        return {"note": f"error: {one_line(error, 160)}"}
 
 
 if __name__ == "__main__":

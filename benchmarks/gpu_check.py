@@ -1,53 +1,75 @@
-"""Correctness of the flex paths on the benchmark device, before timing them.
+"""Every method ``benchmarks/gpu.sh`` times, checked against the fp32 oracle on the device first.
 
-For a few shapes (block 128, GQA, a sequence length that is not a multiple of 128,
-token and tile granularity, documents) and dtypes fp32 and bf16, compares against
-``flexmoba.moba_reference`` (dense fp32 math on the same inputs):
+The methods (``moba_flex``: the regrouped plan, ``moba_flex_union``, ``moba_gather``,
+``sdpa_causal``) run through the very runners :mod:`benchmarks.attention` times. The oracle is
+:func:`flexmoba.moba_reference`: dense fp32 math, given the inputs in their own dtype so that it
+gates exactly as the method does (chunk means rounded to that dtype); causal attention is
+``moba_reference`` with one chunk covering the sequence. Compared: the output, and dq/dk/dv for
+a random output gradient where the method has a backward on the device (flex has none on CPU),
+as ``max |x - ref| / max |ref|`` per tensor against a tolerance per dtype. The first dtype (the
+timed one) is checked on every config, the others on the first config (each new shape and dtype
+compiles new flex kernels). One more case runs ``moba_flex`` with documents at a length off the
+block grid (the first dtype only).
 
-- MoBA ``backend="flex"``: output, and dq/dk/dv for a random output gradient (the
-  reference gets the inputs in their own dtype, so that it gates, rounding chunk means to
-  that dtype, exactly as flex does; its attention math is fp32 all the same);
-- the benchmark's causal flex BlockMask (from tables) against SDPA causal.
+``--out`` (JSON) is rewritten after every check, so a part cut short still tells the timing
+part which methods passed; :func:`not_timed` reads it. A Markdown table goes beside it.
 
-The error measure is ``max |x - ref| / max |ref|`` per tensor, against a tolerance per
-dtype. Without CUDA only forwards are checked (FlexAttention has no CPU backward).
-Exits 1 if any check fails.
-
-    flexmoba bench gpu_check [--dtypes float32 bfloat16]
+    python -m benchmarks.gpu_check --out runs/benchmarks/gpu/checks.json
+    python -m benchmarks.gpu_check --device cpu --seq_len 256 --heads 2 --kv_heads 1 --head_dim 16 \\
+        --configs 64:2 --dtypes float32 --docs_seq_len 256 --out /tmp/checks.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from benchmarks.common import causal_block_mask
-from flexmoba import compiled_flex_attention, moba_attention, moba_reference
+from benchmarks.attention import BASELINES, MOBA_BACKENDS, Case, baseline_runner, moba_runner
+from benchmarks.common import markdown_table
+from benchmarks.device import describe
+from benchmarks.verdict import one_line, verdict
+from flexmoba import moba_attention, moba_reference
 
-# (B, H, H_kv, S, D, chunk, top_k, granularity, documents)
-SHAPES = [
-    (1, 4, 2, 2048, 64, 256, 3, "token", False),
-    (2, 4, 4, 4096, 128, 512, 4, 128, False),
-    (1, 2, 2, 1500, 64, 300, 2, "token", True),
-]
+METHODS = ("moba_flex", "moba_flex_union", "moba_gather", "sdpa_causal")  # what gpu.sh times
 TOLERANCE = {"float32": 5e-3, "bfloat16": 3e-2, "float16": 1e-2}  # of max |ref|
+TENSORS = ("out", "dq", "dk", "dv")
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    heads: int
+    kv_heads: int
+    seq_len: int
+    head_dim: int
+    chunk_size: int
+    top_k: int
+    documents: bool = False
+
+    @property
+    def label(self) -> str:
+        moba = f"{self.chunk_size}/{self.top_k}" if self.chunk_size else "causal"
+        docs = " docs" if self.documents else ""
+        return f"B{self.batch} H{self.heads}/{self.kv_heads} S{self.seq_len} D{self.head_dim} {moba}{docs}"
 
 
 def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-6))
 
 
-def make_inputs(shape, dtype, device, seed: int):
-    """q ``[B, H, S, D]``, k/v ``[B, H_kv, S, D]``, optional document ids ``[B, S]``."""
-    B, H, H_kv, S, D, *_, documents = shape
+def make_inputs(shape: Shape, dtype, device, seed: int):
+    """q ``[B, H, S, D]``, k/v ``[B, H_kv, S, D]``, and ``[B, S]`` document ids (three per row) or None."""
+    B, S = shape.batch, shape.seq_len
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, S, D, generator=gen)
-    k, v = (torch.randn(B, H_kv, S, D, generator=gen) for _ in range(2))
+    q = torch.randn(B, shape.heads, S, shape.head_dim, generator=gen)
+    k, v = (torch.randn(B, shape.kv_heads, S, shape.head_dim, generator=gen) for _ in range(2))
     doc = None
-    if documents:  # three documents per row, cut at random points
+    if shape.documents:
         cuts = torch.sort(torch.randint(1, S, (B, 2), generator=gen), dim=1).values
         doc = (torch.arange(S)[None, :, None] >= cuts[:, None, :]).sum(-1).to(device)
     return [t.to(device=device, dtype=dtype) for t in (q, k, v)], doc
@@ -59,79 +81,133 @@ def outputs_and_grads(fn, q, k, v, grad, backward: bool) -> list[torch.Tensor]:
     with torch.set_grad_enabled(backward):
         out = fn(*leaves)
         if not backward:
-            return [out]
+            return [out.detach()]
         out.backward(grad)
     return [out.detach()] + [t.grad for t in leaves]
 
 
-def check(name: str, got: list[torch.Tensor], ref: list[torch.Tensor], tol: float) -> bool:
-    errors = [relative_error(g, r) for g, r in zip(got, ref, strict=True)]
-    ok = all(e <= tol for e in errors)
-    labels = ["out", "dq", "dk", "dv"][: len(errors)]
-    detail = ", ".join(f"{lab} {e:.2e}" for lab, e in zip(labels, errors, strict=True))
-    print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail} (tol {tol:.0e})", flush=True)
-    return ok
+def method_under_test(method: str, shape: Shape, q, k, v, doc):
+    """(forward(q, k, v), whether it has a backward here, the oracle's forward)."""
+    if method == "sdpa_causal":
+        runner = baseline_runner(Case(method, q, k, v))
+        return runner.forward, runner.backward_ok, lambda q, k, v: moba_reference(
+            q, k, v, chunk_size=shape.seq_len, top_k=1)  # one chunk: causal attention
+    kw = dict(chunk_size=shape.chunk_size, top_k=shape.top_k, document_ids=doc)
 
-
-def check_shape(shape, dtype_name: str, device, backward: bool) -> bool:
-    B, H, H_kv, S, D, chunk, top_k, granularity, documents = shape
-    dtype = getattr(torch, dtype_name)
-    (q, k, v), doc = make_inputs(shape, dtype, device, seed=S)
-    grad = torch.randn_like(q)
-    kw = dict(chunk_size=chunk, top_k=top_k, granularity=granularity, document_ids=doc)
-    tol = TOLERANCE[dtype_name]
-    name = f"{dtype_name} B{B} H{H}/{H_kv} S{S} D{D} chunk {chunk} top-k {top_k} {granularity}"
-    name += " docs" if documents else ""
-
-    def flex(q, k, v):
-        return moba_attention(q, k, v, backend="flex", **kw)
-
-    def reference(q, k, v):  # fp32 math inside; gating sees the same dtype, hence the same selection
+    def oracle(q, k, v):
         return moba_reference(q, k, v, **kw)
 
-    ok = check(f"moba flex   {name}", outputs_and_grads(flex, q, k, v, grad, backward),
-               outputs_and_grads(reference, q, k, v, grad, backward), tol)
-    if documents:
-        return ok
-    mask = causal_block_mask(S, device)
+    if doc is None:
+        runner = moba_runner(Case(method, q, k, v, shape.chunk_size, shape.top_k))
+        return runner.forward, runner.backward_ok, oracle
+    backend = MOBA_BACKENDS[method]
 
-    def causal_flex(q, k, v):
-        return compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=H != H_kv)
+    def forward(q, k, v):
+        return moba_attention(q, k, v, backend=backend, **kw)
+    return forward, not backend.startswith("flex") or q.device.type == "cuda", oracle
 
-    def causal_sdpa(q, k, v):
-        g = H // H_kv
-        return F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(g, 1),
-                                              v.float().repeat_interleave(g, 1), is_causal=True)
 
-    return check(f"causal flex {name}", outputs_and_grads(causal_flex, q, k, v, grad, backward),
-                 outputs_and_grads(causal_sdpa, q, k, v, grad.float(), backward), tol) and ok
+def check(method: str, shape: Shape, dtype_name: str, device: torch.device) -> dict:
+    """One check's record: errors per tensor, ``ok``, and ``error`` if it raised."""
+    record = {"method": method, "shape": shape.label, "dtype": dtype_name, "tolerance": TOLERANCE[dtype_name],
+              "backward": False, "errors": {}, "ok": False, "error": None}
+    try:
+        (q, k, v), doc = make_inputs(shape, getattr(torch, dtype_name), device, seed=shape.seq_len)
+        forward, backward, oracle = method_under_test(method, shape, q, k, v, doc)
+        grad = torch.randn_like(q)
+        got = outputs_and_grads(forward, q, k, v, grad, backward)
+        ref = outputs_and_grads(oracle, q, k, v, grad, backward)
+        record["backward"] = backward
+        record["errors"] = {name: relative_error(g, r) for name, g, r in zip(TENSORS[:len(got)], got, ref, strict=True)}
+        record["ok"] = all(e <= record["tolerance"] for e in record["errors"].values())
+    except Exception as error:  # reported; the other checks go on
+        record["error"] = one_line(error)
+    return record
+
+
+def describe_record(r: dict) -> str:
+    if r["error"]:
+        return f"{r['method']} {r['dtype']} {r['shape']}: {r['error']}"
+    detail = ", ".join(f"{name} {e:.1e}" for name, e in r["errors"].items())
+    fwd_only = "" if r["backward"] else " (forward only)"
+    return f"{r['method']} {r['dtype']} {r['shape']}: {detail} (tol {r['tolerance']:.0e}){fwd_only}"
+
+
+def write(records: list[dict], device_line: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"device": device_line, "checks": records}, indent=2))
+    rows = [{"result": "FAIL" if r["error"] or not r["ok"] else "ok", "check": describe_record(r)} for r in records]
+    out.with_suffix(".md").write_text(markdown_table(rows, [("result", "result"), ("check", "check")]) + "\n")
+
+
+def not_timed(path: Path, methods) -> dict[str, str]:
+    """method -> why it must not be timed, by the checks in ``path``: a failed check, or none at all."""
+    try:
+        records = json.loads(Path(path).read_text())["checks"]
+    except (OSError, ValueError, KeyError) as error:
+        return {m: f"not timed: no oracle checks ({one_line(error, 80)})" for m in methods}
+    why = {}
+    for method in methods:
+        own = [r for r in records if r["method"] == method]
+        failed = [r for r in own if r["error"] or not r["ok"]]
+        if failed:
+            why[method] = f"not timed: failed its oracle check ({describe_record(failed[0])})"
+        elif not own:
+            why[method] = "not timed: no oracle check ran"
+    return why
+
+
+def summary(records: list[dict]) -> tuple[str, str]:
+    failed = [r for r in records if r["error"] or not r["ok"]]
+    if not records:
+        return "FAIL", "no checks ran"
+    if failed:
+        return "FAIL", f"{len(failed)}/{len(records)} checks failed: " + "; ".join(map(describe_record, failed[:3]))
+    worst = max(records, key=lambda r: max(r["errors"].values()) / r["tolerance"])
+    methods = sorted({r["method"] for r in records})
+    fwd_only = sorted({r["method"] for r in records if not r["backward"]})
+    note = f"; forward only: {', '.join(fwd_only)}" if fwd_only else ""
+    return "PASS", (f"{len(records)} checks of {', '.join(methods)} within tolerance{note}; "
+                    f"closest to its tolerance: {describe_record(worst)}")
 
 
 def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=sorted(TOLERANCE))
     p.add_argument("--device", default="cuda" if cuda else "cpu")
-    p.add_argument("--max_seq", type=int, default=None, help="skip shapes longer than this")
-    p.add_argument("--shapes", type=int, nargs="+", default=list(range(len(SHAPES))),
-                   help=f"indices into SHAPES (B, H, H_kv, S, D, chunk, top_k, granularity, documents): {SHAPES}")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--configs", nargs="+", default=["512:3", "128:8"], help="chunk:top_k pairs")
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=sorted(TOLERANCE),
+                   help="the first on every config, the others on the first config")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv_heads", type=int, default=2)
+    p.add_argument("--seq_len", type=int, default=4096)
+    p.add_argument("--head_dim", type=int, default=128)
+    p.add_argument("--docs_seq_len", type=int, default=3000,
+                   help="S of the documents case (moba_flex, first config and dtype); 0: none")
+    p.add_argument("--out", type=Path, default=Path("runs/benchmarks/gpu/checks.json"))
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    backward = device.type == "cuda"
-    print(f"torch {torch.__version__}, device {device}"
-          + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else ", forward only"), flush=True)
-    ok = True
-    for shape in (SHAPES[i] for i in args.shapes):
-        if args.max_seq is not None and shape[3] > args.max_seq:
-            continue
-        for dtype_name in args.dtypes:
-            try:
-                ok = check_shape(shape, dtype_name, device, backward) and ok
-            except Exception as error:  # report and go on: one broken shape should not hide the rest
-                print(f"FAIL {dtype_name} {shape}: {type(error).__name__}: {error}", flush=True)
-                ok = False
-    print("all checks passed" if ok else "SOME CHECKS FAILED", flush=True)
-    return 0 if ok else 1
+    device_line = describe(device)
+    print(device_line, flush=True)
+    configs = [tuple(map(int, c.split(":"))) for c in args.configs]
+    plan = [(m, Shape(args.batch, args.heads, args.kv_heads, args.seq_len, args.head_dim, c, t), d)
+            for i, d in enumerate(args.dtypes) for c, t in (configs if i == 0 else configs[:1])
+            for m in args.methods if m not in BASELINES]
+    plan += [(m, Shape(args.batch, args.heads, args.kv_heads, args.seq_len, args.head_dim, 0, 0), d)
+             for d in args.dtypes for m in args.methods if m in BASELINES]
+    if args.docs_seq_len and "moba_flex" in args.methods:
+        c, t = configs[0]
+        plan.append(("moba_flex", Shape(args.batch, args.heads, args.kv_heads, args.docs_seq_len, args.head_dim,
+                                        c, t, documents=True), args.dtypes[0]))
+    records: list[dict] = []
+    for method, shape, dtype_name in plan:
+        record = check(method, shape, dtype_name, device)
+        records.append(record)
+        print(f"{'ok  ' if record['ok'] else 'FAIL'} {describe_record(record)}", flush=True)
+        write(records, device_line, args.out)
+    return verdict("oracle", *summary(records))
 
 
 if __name__ == "__main__":
