@@ -19,13 +19,13 @@ test: venv
 	$(PY) -m pytest -q tests
 
 compare: venv
-	$(PY) -m lit.experiments.compare
+	$(VENV)/bin/flexmoba compare
 
 sweep: venv
-	$(PY) -m lit.experiments.sweep configs/sweep/toy.yaml
+	$(VENV)/bin/flexmoba sweep configs/sweep/toy.yaml
 
 bench: venv
-	$(PY) -m benchmarks.mask_build
+	$(VENV)/bin/flexmoba bench mask_build
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

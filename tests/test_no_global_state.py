@@ -123,9 +123,7 @@ def states(tmp_path_factory) -> tuple[dict, dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", [
-    pytest.param("warnings.filters", marks=pytest.mark.xfail(
-        strict=True, reason="depends on lit/cli/lightning_cli.py no longer filtering a warning at import "
-                            "(being changed separately); drop this mark when that lands")),
+    "warnings.filters",
     "matplotlib backend",
     "matplotlib.rcParams identity",
     "matplotlib.rcParams values",
