@@ -48,6 +48,7 @@ from flexmoba.block_mask import DEFAULT_BLOCK_SIZE, interval_block_tables
 from flexmoba.compiled_flex import compiled_flex_attention
 from flexmoba.gate import Selection, select_chunks
 from flexmoba.gather import selected_pairs
+from flexmoba.pair_counts import past_chunk_slots
 from flexmoba.spec import Granularity, MobaSpec
 
 __all__ = ["MoBAFlexPlan", "moba_flex_plan", "plan_from_selection"]
@@ -144,9 +145,7 @@ def virtual_lengths(heads_per_kv: int, seq_len: int, chunk_size: int, top_k: int
     a block.
     """
     own = heads_per_kv * -(-seq_len // block_q) * block_q
-    past_per_query = top_k - 1
-    pairs = sum(min(past_per_query, j) * min(chunk_size, seq_len - j * chunk_size)
-                for j in range(-(-seq_len // chunk_size)))
+    pairs = past_chunk_slots(seq_len, chunk_size, top_k)
     groups = min((seq_len - 1) // chunk_size, heads_per_kv * pairs)
     past_blocks = (heads_per_kv * pairs + groups * (block_q - 1)) // block_q
     return own, past_blocks * block_q

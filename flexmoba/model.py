@@ -21,9 +21,9 @@ import torch.nn.functional as F
 
 from flexmoba.attention import moba_attention
 from flexmoba.decode import dense_decode_attention, moba_decode_attention
-from flexmoba.flops import keys_attended_full, keys_attended_moba
 from flexmoba.kv_cache import MoBAKVCache
 from flexmoba.layout import ChunkLayout, chunk_layout
+from flexmoba.pair_counts import keys_attended_full, keys_attended_moba
 from flexmoba.spec import MobaSpec
 
 __all__ = ["ATTENTION_KINDS", "GPT", "ModelConfig", "capture_attention_inputs", "sample_next_token"]

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from flexmoba import MobaSpec
-from flexmoba.flops import keys_attended_full, keys_attended_moba
 from flexmoba.model import GPT, ModelConfig
+from flexmoba.pair_counts import keys_attended_full, keys_attended_moba
 
 TINY = dict(n_layers=2, d_model=32, n_heads=4, n_kv_heads=None, moba=MobaSpec(16, 2, backend="sdpa"))
 

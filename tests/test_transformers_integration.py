@@ -411,3 +411,49 @@ def test_static_cache_is_refused():
     with pytest.raises(ValueError, match="static or sliding-window cache"):
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False,
                        pad_token_id=0, cache_implementation="static")
+
+
+def count_calls(monkeypatch, name: str) -> list:
+    """Replace ``hf.<name>`` by a wrapper appending to the returned list at every call."""
+    calls, original = [], getattr(hf, name)
+    monkeypatch.setattr(hf, name, lambda *args, **kwargs: calls.append(name) or original(*args, **kwargs))
+    return calls
+
+
+@pytest.mark.parametrize("attn", ["moba-sdpa", "moba-dense-decode"])
+def test_the_mask_is_analysed_once_per_forward_not_per_layer(attn, monkeypatch):
+    """Three layers, one reading of the padding: at prefill and at every decoding step."""
+    prefill, cached = count_calls(monkeypatch, "prefill_document_ids"), count_calls(monkeypatch, "cached_key_padding")
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=128)
+    model = LlamaForCausalLM(config).eval()
+    model.set_attn_implementation(attn)
+    ids = tokens()
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :30], attention_mask=mask[:, :30], use_cache=True, **{CACHE_ARG: cache})
+        assert (len(prefill), len(cached)) == (1, 0)
+        for t in range(30, 34):
+            model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], use_cache=True, **{CACHE_ARG: cache})
+        assert (len(prefill), len(cached)) == (1, 4)
+
+
+def test_packed_position_ids_are_analysed_once(monkeypatch):
+    """Without a mask the position ids are read, once for all layers; the same unchanged tensor
+    again is not read again, a new one is."""
+    calls = count_calls(monkeypatch, "prefill_document_ids")
+    model, ids = configured_llama(), tokens(B=1)
+    packed = torch.cat([torch.arange(n) for n in DOCUMENTS])[None]
+    for position_ids, analysed in ((packed, 1), (packed, 1), (packed.clone(), 2)):
+        logits(model, ids, position_ids=position_ids, use_cache=True)
+        assert len(calls) == analysed
+
+
+def test_a_mask_edited_in_place_is_analysed_again():
+    mask = torch.ones(2, 8, dtype=torch.long)
+    assert hf.forward_document_ids(mask, None, 2, 8, mask.device) is None
+    mask[0, 6:] = 0  # right padding, written into the same tensor
+    documents = hf.forward_document_ids(mask, None, 2, 8, mask.device)
+    assert documents is not None and documents[0].tolist() == [0] * 6 + [1] * 2

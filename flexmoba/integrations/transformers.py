@@ -71,6 +71,7 @@ __all__ = ["CONFIG_KEY", "MIN_TRANSFORMERS", "MobaSettings", "register"]
 MIN_TRANSFORMERS = "4.48"  # first release with transformers.AttentionInterface
 CONFIG_KEY = "moba"  # the model config's attribute holding its MoBA settings
 _SUMS_ATTR = "_flexmoba_chunk_sums"
+_ANALYSIS_ATTR = "_flexmoba_mask_analysis"
 
 
 def check_transformers_version(version: str | None = None) -> None:
@@ -251,7 +252,7 @@ def make_attention_function(**defaults):
             raise ValueError(f"flexmoba: {q_len} queries but only {kv_len} keys; "
                              "queries must sit at the last key positions")
         if q_len == kv_len:
-            documents = prefill_document_ids(attention_mask, kwargs.get("position_ids"), query.shape[0], q_len,
+            documents = forward_document_ids(attention_mask, kwargs.get("position_ids"), query.shape[0], q_len,
                                              query.device)
             out = prefill_attention(query, key, value, documents, settings, full, scaling)
         else:
@@ -283,16 +284,50 @@ def full_causal_attention(query, key, value, documents: torch.Tensor | None, sca
 def cached_attention(module, query, key, value, attention_mask, settings: MobaSettings, full: bool, scaling):
     """Queries at the end of cached keys: MoBA decode, or full causal attention -> ``[B, H, q_len, D]``."""
     q_len, kv_len = query.shape[2], key.shape[2]
-    key_real = key_padding(attention_mask, query.shape[0], q_len, kv_len, query.device)
-    start = padding_start(key_real, query.shape[0], query.device)
+    start, dense_start = once_per_forward(attention_mask, ("cached", query.shape[0], q_len, kv_len, query.device),
+                                          lambda: cached_key_padding(attention_mask, query.shape[0], q_len, kv_len,
+                                                                     query.device))
     if full or settings.dense_decode:
-        return dense_causal_attention(query, key, value, start if bool(start.any()) else None, scaling)
+        return dense_causal_attention(query, key, value, dense_start, scaling)
     if settings.granularity != "token":
         raise ValueError(f"flexmoba: granularity={settings.granularity!r} has no decode path; decode with "
                          f"config.{CONFIG_KEY}['dense_decode'] = True or re-run the whole sequence without a cache")
     sums = running_chunk_sums(module, key, kv_len - q_len, start, settings.chunk_size,
                               trust=settings.chunk_means == "running")
     return attend_cached_keys(query, key, value, sums, settings.spec, scale=scaling)
+
+
+def once_per_forward(holder, key: tuple, analyse):
+    """``analyse()``, remembered on ``holder`` (the mask, or the position ids, that every layer of one
+    model forward receives) under ``key``: the padding and document analysis reads the mask on the
+    host, so it runs once per forward, not once per layer. A tensor edited in place since is
+    analysed again (its version counter moved); no tensor (None): analysed every call.
+    """
+    if not isinstance(holder, torch.Tensor):
+        return analyse()
+    try:
+        version = holder._version
+    except RuntimeError:  # inference tensors keep no version counter; they are not edited outside inference
+        version = None
+    memo = holder.__dict__.setdefault(_ANALYSIS_ATTR, {})
+    remembered = memo.get(key)
+    if remembered is None or remembered[0] != version:
+        remembered = memo[key] = (version, analyse())
+    return remembered[1]
+
+
+def forward_document_ids(attention_mask, position_ids, batch: int, seq_len: int, device) -> torch.Tensor | None:
+    """:func:`prefill_document_ids`, once per model forward."""
+    holder = attention_mask if attention_mask is not None else position_ids
+    return once_per_forward(holder, ("prefill", batch, seq_len, device),
+                            lambda: prefill_document_ids(attention_mask, position_ids, batch, seq_len, device))
+
+
+def cached_key_padding(attention_mask, batch: int, q_len: int, kv_len: int, device):
+    """``(start [B], start or None where no row is padded)`` of queries at the end of cached keys."""
+    key_real = key_padding(attention_mask, batch, q_len, kv_len, device)
+    start = padding_start(key_real, batch, device)
+    return start, start if key_real is not None and bool(start.any()) else None
 
 
 def prefill_document_ids(attention_mask, position_ids, batch: int, seq_len: int, device) -> torch.Tensor | None:

@@ -1,7 +1,8 @@
 """Training that fails loudly and keeps its checkpoints trustworthy.
 
-- :class:`DivergenceGuard` stops a run at the first non-finite loss or gradient norm, before
-  the bad step reaches the weights, by raising :class:`TrainingDiverged`.
+- :class:`DivergenceGuard` stops a run within ``check_every_n_steps`` steps of the first non-finite
+  loss or gradient norm, naming that step, by raising :class:`TrainingDiverged`; it refuses every
+  checkpoint written after it, so none holds weights from a bad step.
 - :class:`SafeModelCheckpoint` never saves on a divergence, even with ``save_on_exception``.
 - :class:`AtomicCheckpointIO` writes each checkpoint to a temporary name in the same folder,
   fsyncs it and renames it over the old one, so a kill or a full disk never leaves half a file.
@@ -21,6 +22,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from lit.training import metric_names
 from lit.training.errors import TrainingDiverged
+from lit.training.grad_norm import step_grad_norm
 
 
 def gradients_are_loss_scaled(trainer: L.Trainer) -> bool:
@@ -28,35 +30,90 @@ def gradients_are_loss_scaled(trainer: L.Trainer) -> bool:
     return getattr(trainer.precision_plugin, "scaler", None) is not None
 
 
-class DivergenceGuard(L.Callback):
-    """Stop training at the first non-finite training loss or gradient norm.
+NO_BAD_STEP = torch.iinfo(torch.int64).max
+WATCHED = (metric_names.loss("train"), "grad norm")  # what the first bad value was, by index
+CPU_CHECK_EVERY_N_STEPS = 1  # reading a CPU tensor waits for nothing
+DEVICE_CHECK_EVERY_N_STEPS = 10
 
-    The loss is checked before its backward and the gradient norm before the optimizer step,
-    so the weights never take the bad step and no checkpoint is written from it. Under DDP
-    every process stops when any one sees a non-finite value.
+
+class FirstNonFinite:
+    """The first step whose watched value was not finite, its index in :data:`WATCHED` and the
+    value, all kept on one device and updated there: recording never reads a value on the host."""
+
+    def __init__(self, device: torch.device):
+        self.step = torch.full((), NO_BAD_STEP, dtype=torch.int64, device=device)
+        self.what = torch.zeros((), dtype=torch.int64, device=device)
+        self.value = torch.zeros((), dtype=torch.float32, device=device)
+
+    def record(self, step: int, what: int, value: torch.Tensor) -> None:
+        first = ~torch.isfinite(value).all() & (self.step == NO_BAD_STEP)
+        self.step = torch.where(first, step, self.step)
+        self.what = torch.where(first, what, self.what)
+        self.value = torch.where(first, value.detach().float().sum(), self.value)
+
+
+class DivergenceGuard(L.Callback):
+    """Stop training soon after the first non-finite training loss or gradient norm, naming that step.
+
+    Each step's loss (before its backward) and gradient norm (before its optimizer step) are
+    folded into :class:`FirstNonFinite` on the device, without a host read. The host reads the
+    first bad step only every ``check_every_n_steps`` steps (before that step's optimizer step),
+    at the end of training, and before any checkpoint is written. So a run stops at most
+    ``check_every_n_steps - 1`` steps after its first bad step, and no checkpoint from a bad
+    step is ever written: the one about to be is refused. Under DDP every process stops when
+    any one saw a non-finite value.
 
     Args:
         check_grad_norm: also check the total gradient norm (skipped under fp16 loss scaling).
+        check_every_n_steps: steps between host reads; default 1 when training on CPU (a read
+            costs nothing there, and the run stops at the bad step itself, before its optimizer
+            step, so even the weights in memory never take it) and 10 on accelerators (the
+            weights in memory may take up to 9 bad steps; they are never saved).
     """
 
-    def __init__(self, check_grad_norm: bool = True):
+    def __init__(self, check_grad_norm: bool = True, check_every_n_steps: int | None = None):
+        if check_every_n_steps is not None and (
+                isinstance(check_every_n_steps, bool) or not isinstance(check_every_n_steps, int)
+                or check_every_n_steps < 1):
+            raise ValueError(f"check_every_n_steps must be a positive int or None, got {check_every_n_steps!r}")
         self.check_grad_norm = check_grad_norm
+        self.check_every_n_steps = check_every_n_steps
+        self.first: FirstNonFinite | None = None
+        self.every_n_steps = check_every_n_steps or DEVICE_CHECK_EVERY_N_STEPS
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        device = trainer.strategy.root_device
+        self.first = FirstNonFinite(device)
+        default = CPU_CHECK_EVERY_N_STEPS if device.type == "cpu" else DEVICE_CHECK_EVERY_N_STEPS
+        self.every_n_steps = self.check_every_n_steps or default
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
-        self._stop_if_non_finite(trainer, metric_names.loss("train"), loss.detach())
+        self.first.record(trainer.global_step, 0, loss)
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
-        if not self.check_grad_norm or gradients_are_loss_scaled(trainer):
-            return
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        if grads:
-            self._stop_if_non_finite(trainer, "grad norm", torch.nn.utils.get_total_norm(grads))
+        if self.check_grad_norm and not gradients_are_loss_scaled(trainer):
+            norm = step_grad_norm(pl_module)
+            if norm is not None:
+                self.first.record(trainer.global_step, 1, norm)
+        if (trainer.global_step + 1) % self.every_n_steps == 0:
+            self.stop_if_diverged(trainer)
 
-    @staticmethod
-    def _stop_if_non_finite(trainer: L.Trainer, name: str, value: torch.Tensor) -> None:
-        non_finite = not bool(torch.isfinite(value).all())
-        if trainer.strategy.reduce_boolean_decision(non_finite, all=False):
-            raise TrainingDiverged(trainer.global_step, name, float(value))
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.stop_if_diverged(trainer)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        self.stop_if_diverged(trainer)
+
+    def stop_if_diverged(self, trainer: L.Trainer) -> None:
+        """Raise :class:`TrainingDiverged` if any process recorded a non-finite value (one host read)."""
+        if self.first is None:  # not trained yet
+            return
+        step = int(trainer.strategy.reduce(self.first.step.clone(), reduce_op="min"))
+        if step == NO_BAD_STEP:
+            return
+        if int(self.first.step) != step:
+            raise TrainingDiverged(step, "train/loss or grad norm", None)
+        raise TrainingDiverged(step, WATCHED[int(self.first.what)], float(self.first.value))
 
 
 class SafeModelCheckpoint(ModelCheckpoint):

@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from flexmoba.model import GPT, ModelConfig
 from lit.training import metric_names as names
+from lit.training.grad_norm import step_grad_norm
 from lit.training.metrics import IGNORE_INDEX, TokenMeanLoss, WindowedLoss, position_windows
 from lit.training.metrics import trailing_window as trailing_positions
 from lit.training.throughput import ModelFlopsThroughput
@@ -79,7 +80,8 @@ class LitLM(L.LightningModule):
             self.metrics[f"{stage}_loss"] = TokenMeanLoss()
             self.metrics[f"{stage}_windows"] = WindowedLoss(self.windows)
             self.metrics[f"{stage}_trailing"] = WindowedLoss(trailing_positions(seq_len, trailing_window))
-        self.tokens_per_batch = 0  # of the latest batch, for flops_per_batch
+        self.batch_shape = (0, seq_len)  # [B, S] of the latest batch, for flops_per_batch
+        self._flops_per_batch: dict[tuple, float] = {}
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)
@@ -87,7 +89,7 @@ class LitLM(L.LightningModule):
     def token_losses(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-target cross-entropy ``[B, S]`` (0 where ignored) and the targets ``[B, S]``."""
         inputs, targets = batch
-        self.tokens_per_batch = inputs.numel()
+        self.batch_shape = tuple(inputs.shape)
         logits = self.model(inputs)
         loss = F.cross_entropy(
             logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
@@ -106,26 +108,31 @@ class LitLM(L.LightningModule):
         return loss
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        """Log the total gradient norm before clipping (gradients are already reduced across processes)."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if grads:
-            self.log("train/grad_norm", torch.nn.utils.get_total_norm(grads))
+        """Log the total gradient norm before clipping (gradients are already reduced across processes);
+        computed once a step, shared with the divergence guard, never read here on the host."""
+        norm = step_grad_norm(self)
+        if norm is not None:
+            self.log("train/grad_norm", norm)
 
     # -- throughput ---------------------------------------------------------------------
 
     @property
     def flops_per_batch(self) -> float:
         """FLOPs of the latest batch on this device by the model's count (forward and backward when
-        training, forward only otherwise); Lightning's ThroughputMonitor turns it into FLOP/s and MFU."""
-        training = self.trainer.training
-        per_token = self.config.flops_per_token(self.seq_len, self.model.layer_attention(), training=training)
-        return per_token * self.tokens_per_batch
+        training, forward only otherwise), remembered per batch shape, stage and layer kinds;
+        the throughput monitor turns it into FLOP/s and MFU."""
+        key = (self.batch_shape, self.trainer.training, tuple(self.model.layer_attention()))
+        if key not in self._flops_per_batch:
+            (batch, seq_len), training, kinds = key
+            per_token = self.config.flops_per_token(seq_len, list(kinds), training=training)
+            self._flops_per_batch[key] = per_token * batch * seq_len
+        return self._flops_per_batch[key]
 
     def configure_callbacks(self) -> list[L.Callback]:
         """Throughput and MFU (see lit/training/throughput.py), unless the trainer has a ThroughputMonitor already."""
         if any(isinstance(callback, ThroughputMonitor) for callback in self.trainer.callbacks):
             return []
-        return [ModelFlopsThroughput(window_size=self.trainer.log_every_n_steps)]
+        return [ModelFlopsThroughput()]  # measured at each log step, rates since the previous one
 
     # -- evaluation ---------------------------------------------------------------------
 

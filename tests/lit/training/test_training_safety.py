@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -135,25 +136,88 @@ class BreaksAtStep(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def fit_until_broken(tmp_path, step: int, what: str) -> TrainingDiverged:
-    checkpoint = SafeModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1, save_last=True,
-                                     save_on_exception=True, filename="{step}")
-    trainer = L.Trainer(max_steps=10, callbacks=[DivergenceGuard(), checkpoint], logger=False,
+def fit_until_broken(tmp_path, step: int, what: str, every_n_steps: int | None = None,
+                     checkpoint_every: int = 3) -> tuple[TrainingDiverged, L.Trainer, BreaksAtStep]:
+    checkpoint = SafeModelCheckpoint(dirpath=tmp_path, every_n_train_steps=checkpoint_every, save_top_k=-1,
+                                     save_last=True, save_on_exception=True, filename="{step}")
+    guard = DivergenceGuard(check_every_n_steps=every_n_steps)
+    trainer = L.Trainer(max_steps=16, callbacks=[guard, checkpoint], logger=False,
                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
     model = BreaksAtStep(step, what)
     with pytest.raises(TrainingDiverged) as diverged:
         trainer.fit(model)
-    assert trainer.global_step == step  # stopped at the bad step, before its optimizer step
-    assert all(torch.isfinite(p).all() for p in model.parameters())
-    return diverged.value
+    return diverged.value, trainer, model
+
+
+def saved_steps(folder: Path) -> list[int]:
+    return sorted(global_step(path) for path in folder.glob("*.ckpt"))
 
 
 @pytest.mark.parametrize(("what", "name"), [("loss", "train/loss"), ("grad", "grad norm")])
-def test_guard_stops_at_the_bad_step_and_saves_nothing_from_it(what, name, tmp_path):
-    diverged = fit_until_broken(tmp_path, step=4, what=what)
+def test_guard_on_cpu_stops_at_the_bad_step_and_saves_nothing_from_it(what, name, tmp_path):
+    """On CPU the guard checks every step: it stops at the bad step, before its optimizer step."""
+    diverged, trainer, model = fit_until_broken(tmp_path, step=4, what=what)
     assert str(diverged) == f"training diverged at step 4: {name} = nan"
+    assert trainer.global_step == 4
+    assert all(torch.isfinite(p).all() for p in model.parameters())
     assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["last.ckpt", "step=3.ckpt"]
     assert global_step(tmp_path / "last.ckpt") == 3
+
+
+@pytest.mark.parametrize(("what", "name"), [("loss", "train/loss"), ("grad", "grad norm")])
+def test_guard_checking_every_n_steps_stops_within_n_steps_naming_the_first_bad_one(what, name, tmp_path):
+    """Checked at steps 3, 7, 11, ...: a NaN at step 5 stops the run at step 7, named step 5."""
+    diverged, trainer, _ = fit_until_broken(tmp_path, step=5, what=what, every_n_steps=4, checkpoint_every=100)
+    assert str(diverged) == f"training diverged at step 5: {name} = nan"
+    assert diverged.step == 5 and trainer.global_step == 7
+    assert list(tmp_path.glob("*.ckpt")) == []  # no checkpoint was due; none written on the exception either
+
+
+def test_a_checkpoint_due_after_a_bad_step_is_refused(tmp_path):
+    """Checked every 10 steps, a checkpoint every step: the one after bad step 4 (global step 5,
+    holding its update) is never written; the last one holds the weights before step 4."""
+    diverged, trainer, _ = fit_until_broken(tmp_path, step=4, what="loss", every_n_steps=10, checkpoint_every=1)
+    assert diverged.step == 4 and trainer.global_step == 5
+    assert saved_steps(tmp_path) == [1, 2, 3, 4, 4]  # step=1..4.ckpt and last.ckpt
+    weights = read_checkpoint(tmp_path / "last.ckpt")["state_dict"]
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+class NoHostReads:
+    """Every way of reading a tensor on the host raises inside this block."""
+
+    METHODS = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist", "numpy")
+
+    def __init__(self, monkeypatch):
+        self.monkeypatch = monkeypatch
+
+    def __enter__(self):
+        def refuse(*args, **kwargs):
+            raise AssertionError("host read")
+        for method in self.METHODS:
+            self.monkeypatch.setattr(torch.Tensor, method, refuse)
+
+    def __exit__(self, *exc):
+        self.monkeypatch.undo()
+
+
+def test_guard_records_each_step_without_reading_the_host(monkeypatch):
+    model = BreaksAtStep(step=1, what="loss")
+    trainer = SimpleNamespace(global_step=0, precision_plugin=None,
+                              strategy=SimpleNamespace(root_device=torch.device("cpu"), reduce=lambda t, **_: t))
+    model._trainer = trainer
+    guard = DivergenceGuard(check_every_n_steps=3)
+    guard.on_train_start(trainer, model)
+    for step in range(3):
+        trainer.global_step = step
+        loss = model.training_step((torch.randn(4, 4),), step)
+        loss.backward()
+        with NoHostReads(monkeypatch):
+            guard.on_before_backward(trainer, model, loss)
+            if step < 2:
+                guard.on_before_optimizer_step(trainer, model, None)
+    with pytest.raises(TrainingDiverged, match="at step 1: train/loss = nan"):
+        guard.on_before_optimizer_step(trainer, model, None)  # step 2: the check
 
 
 def test_validation_reports_nan_instead_of_dropping_it():
