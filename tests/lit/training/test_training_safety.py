@@ -188,31 +188,40 @@ class NoHostReads:
 
     METHODS = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist", "numpy")
 
-    def __init__(self, monkeypatch):
-        self.monkeypatch = monkeypatch
+    def __init__(self, monkeypatch, device: torch.device):
+        self.monkeypatch, self.device = monkeypatch, device
 
     def __enter__(self):
         def refuse(*args, **kwargs):
             raise AssertionError("host read")
         for method in self.METHODS:
             self.monkeypatch.setattr(torch.Tensor, method, refuse)
+        if self.device.type == "cuda":  # and no implicit synchronisation either
+            torch.cuda.set_sync_debug_mode("error")
 
     def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
         self.monkeypatch.undo()
 
 
-def test_guard_records_each_step_without_reading_the_host(monkeypatch):
-    model = BreaksAtStep(step=1, what="loss")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_guard_records_each_step_without_reading_the_host(device, monkeypatch):
+    device = torch.device(device)
+    model = BreaksAtStep(step=1, what="loss").to(device)
     trainer = SimpleNamespace(global_step=0, precision_plugin=None,
-                              strategy=SimpleNamespace(root_device=torch.device("cpu"), reduce=lambda t, **_: t))
+                              strategy=SimpleNamespace(root_device=device, reduce=lambda t, **_: t))
     model._trainer = trainer
     guard = DivergenceGuard(check_every_n_steps=3)
     guard.on_train_start(trainer, model)
     for step in range(3):
         trainer.global_step = step
-        loss = model.training_step((torch.randn(4, 4),), step)
+        loss = model.training_step((torch.randn(4, 4, device=device),), step)
         loss.backward()
-        with NoHostReads(monkeypatch):
+        with NoHostReads(monkeypatch, device):
             guard.on_before_backward(trainer, model, loss)
             if step < 2:
                 guard.on_before_optimizer_step(trainer, model, None)
