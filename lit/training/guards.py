@@ -17,6 +17,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from jsonargparse.typing import PositiveInt
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
@@ -71,7 +72,7 @@ class DivergenceGuard(L.Callback):
             weights in memory may take up to 9 bad steps; they are never saved).
     """
 
-    def __init__(self, check_grad_norm: bool = True, check_every_n_steps: int | None = None):
+    def __init__(self, check_grad_norm: bool = True, check_every_n_steps: PositiveInt | None = None):
         if check_every_n_steps is not None and (
                 isinstance(check_every_n_steps, bool) or not isinstance(check_every_n_steps, int)
                 or check_every_n_steps < 1):

@@ -65,6 +65,7 @@ BAD_VALUES = [
     ("--model.config.attention", "local", "must be one of ('moba', 'full')"),
     ("--model.config.moba_backend", "triton", "backend must be one of"),
     ("--model.trailing_window", "500", "must be in [1, seq_len=128]"),
+    ("--divergence_guard.check_every_n_steps", "0", "restriction v>0"),
 ]
 
 
@@ -181,6 +182,12 @@ def test_a_checkpoint_due_after_a_bad_step_is_refused(tmp_path):
     assert saved_steps(tmp_path) == [1, 2, 3, 4, 4]  # step=1..4.ckpt and last.ckpt
     weights = read_checkpoint(tmp_path / "last.ckpt")["state_dict"]
     assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+@pytest.mark.parametrize("every", [0, -1, 2.5, True])
+def test_bad_check_interval_names_the_parameter(every):
+    with pytest.raises(ValueError, match="check_every_n_steps must be a positive int"):
+        DivergenceGuard(check_every_n_steps=every)
 
 
 class NoHostReads:
