@@ -57,13 +57,13 @@ def global_step(path: Path) -> int:
 # -- CLI errors ---------------------------------------------------------------------------------
 
 BAD_VALUES = [
-    ("--model.config.moba_chunk_size", "0", "must be a positive int"),
-    ("--model.config.moba_top_k", "0", "must be a positive int"),
-    ("--model.config.moba_granularity", "5", "must divide chunk_size=32"),
+    ("--model.config.moba.chunk_size", "0", "must be >= 1"),
+    ("--model.config.moba.top_k", "0", "must be >= 1"),
+    ("--model.config.moba.granularity", "5", "must divide chunk_size=32"),
     ("--data.seq_len", "0", "must be a positive int"),
     ("--data.seq_len", "abc", "must be int"),
     ("--model.config.attention", "local", "must be one of ('moba', 'full')"),
-    ("--model.config.moba_backend", "triton", "backend must be one of"),
+    ("--model.config.moba.backend", "triton", "must be one of"),
     ("--model.trailing_window", "500", "must be in [1, seq_len=128]"),
     ("--divergence_guard.check_every_n_steps", "0", "restriction v>0"),
 ]
@@ -83,7 +83,7 @@ def test_bad_value_is_one_line_naming_the_option_and_exit_2(option, value, rule,
 
 
 TYPOS = [("--trainr.max_steps", "--trainer.max_steps"), ("--model.lrr", "--model.lr"),
-         ("--model.config.moba_top", "--model.config.moba_top_k"), ("--data.seq_lenn", "--data.seq_len")]
+         ("--model.config.moba.top", "--model.config.moba.top_k"), ("--data.seq_lenn", "--data.seq_len")]
 
 
 @pytest.mark.parametrize(("typo", "meant"), TYPOS)
@@ -97,10 +97,10 @@ def test_a_mistyped_option_suggests_the_nearest_one(typo, meant, tmp_path, capsy
 
 
 def test_bad_value_from_the_real_command_is_its_only_stderr_line(tmp_path):
-    proc = run("fit", *tiny_args(tmp_path / "run", tmp_path / "cache"), "--model.config.moba_top_k", "0",
+    proc = run("fit", *tiny_args(tmp_path / "run", tmp_path / "cache"), "--model.config.moba.top_k", "0",
                cwd=tmp_path)
     assert proc.returncode == 2
-    assert proc.stderr == "flexmoba: error: --model.config.moba_top_k: must be a positive int, got 0\n"
+    assert proc.stderr == "flexmoba: error: --model.config.moba.top_k: must be >= 1, got 0\n"
 
 
 def test_nested_union_message_becomes_one_line():
