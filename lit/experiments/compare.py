@@ -86,7 +86,7 @@ def complete_budget(config) -> None:
 
 def run_config(study: dict, attention: str, seed: int) -> dict:
     """The ``flexmoba fit`` config of one run of the study."""
-    config = {k: v for k, v in study.items() if k not in ("seeds", "out", "final_val_batches", "config")}
+    config = {k: v for k, v in study.items() if k not in ("seeds", "out", "final_val_batches")}
     config = json.loads(json.dumps(config))  # a deep copy of plain data
     config["model"]["config"]["attention"] = attention
     config["seed_everything"] = seed
@@ -106,7 +106,7 @@ def claim_folder(study: dict) -> None:
     """Record the study's settings in ``<out>/compare.json``, or refuse an ``--out`` holding another study."""
     out = Path(study["out"])
     settings = out / "compare.json"
-    recorded = {k: v for k, v in study.items() if k != "config"}
+    recorded = study
     if settings.exists():
         if json.loads(settings.read_text()) != json.loads(json.dumps(recorded)):
             fail("flexmoba", f"--out: {out} holds a compare study with other settings; give another --out, "
@@ -280,8 +280,7 @@ def run(study: dict) -> Path:
     out = Path(study["out"])
     print(f"[compare] results go to {out}", flush=True)
     results = [train_one(study, attention, seed) for attention in VARIANTS for seed in seeds_of(study)]
-    settings = {k: v for k, v in study.items() if k != "config"}
-    (out / "results.json").write_text(json.dumps({"study": settings, "results": results}, indent=2))
+    (out / "results.json").write_text(json.dumps({"study": study, "results": results}, indent=2))
     report = markdown_report(study, results)
     (out / "results.md").write_text(report)
     plot(results, out)

@@ -347,6 +347,7 @@ def read_config(args: list[str], extra_arguments=None, defaults: dict | None = N
     finally:
         seed_log.setLevel(level)
     config = reader.config.as_dict()
+    config.pop("config", None)  # the --config files read: their values are in the config now
     problem = data_problem(config["data"])
     if problem:
         reader.parser.error(problem)
