@@ -53,9 +53,11 @@ def option_names(cls, prefix: str = "--") -> list[str]:
 def with_suggestion(message: str, options: list[str]) -> str:
     """``message`` plus the nearest valid option for a mistyped one (an unrecognised argument,
     or a key jsonargparse did not accept inside a group)."""
-    unknown = re.search(r"unrecognized arguments: (--\S+)", message)
+    nested = re.match(r"(--[\w.]+): unrecognized arguments: --([\w.]+)", message)  # inside a nested config
+    unknown = re.search(r"unrecognized arguments: (--[\w.]+)", message)
     rejected = re.match(r"(--[\w.]+): Option '(\w+)' is not accepted", message)
-    typo = unknown[1] if unknown else f"{rejected[1]}.{rejected[2]}" if rejected else None
+    typo = (f"{nested[1]}.{nested[2]}" if nested else unknown[1] if unknown
+            else f"{rejected[1]}.{rejected[2]}" if rejected else None)
     close = difflib.get_close_matches(typo, options, n=1) if typo else []
     return f"{message}; did you mean {close[0]}?" if close else message
 

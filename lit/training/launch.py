@@ -97,7 +97,11 @@ def one_line_error(message: str) -> str:
 
 
 class OneLineErrorParser(LightningArgumentParser):
-    """Errors are one line on stderr, ``flexmoba: error: --option: rule``, and exit code 2."""
+    """Errors are one line on stderr, ``flexmoba: error: --option: rule``, and exit code 2; options are
+    spelled out (an abbreviation such as ``--trainer.max_step`` is refused with the option it may mean)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{**kwargs, "allow_abbrev": False})
 
     def error(self, message: str, ex: Exception | None = None):
         if not self.exit_on_error:
