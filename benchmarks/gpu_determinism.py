@@ -21,20 +21,11 @@ import torch
 import torch._inductor.config as inductor_config
 
 from benchmarks.device import describe
+from benchmarks.gpu_check import outputs_and_grads
 from benchmarks.verdict import one_line, verdict
 from flexmoba import moba_attention
 
 TENSORS = ("out", "dq", "dk", "dv")
-
-
-def forward_backward(fn, q, k, v, grad, backward: bool) -> list[torch.Tensor]:
-    """``[out]`` or ``[out, dq, dk, dv]`` of ``fn(q, k, v)`` on fresh leaves."""
-    leaves = [t.detach().clone().requires_grad_(backward) for t in (q, k, v)]
-    with torch.set_grad_enabled(backward):
-        out = fn(*leaves)
-        if backward:
-            out.backward(grad)
-    return [out.detach()] + ([t.grad for t in leaves] if backward else [])
 
 
 def differences(first: list[torch.Tensor], second: list[torch.Tensor]) -> dict[str, float]:
@@ -91,7 +82,7 @@ def main(argv=None) -> int:
         with inductor_config.patch(deterministic=True):
             mode = (f"deterministic algorithms {torch.are_deterministic_algorithms_enabled()}, "
                     f"inductor deterministic {inductor_config.deterministic}")
-            status, why = compare_runs(lambda: forward_backward(flex, q, k, v, grad, backward))
+            status, why = compare_runs(lambda: outputs_and_grads(flex, q, k, v, grad, backward))
     except Exception as error:
         return verdict("determinism", "FAIL", f"{shape}: {one_line(error)}")
     fwd_only = "" if backward else " (forward only: no flex backward on CPU)"

@@ -29,6 +29,7 @@ import torch
 
 from benchmarks.common import causal_block_mask, markdown_table, median_seconds
 from benchmarks.device import describe
+from benchmarks.gpu_check import outputs_and_grads
 from benchmarks.verdict import one_line, verdict
 from flexmoba import compiled_flex_attention, moba_flex_plan, moba_reference
 
@@ -44,15 +45,6 @@ def flash_import_error() -> str | None:
     except Exception as error:  # ImportError, or a broken install raising anything at import
         return one_line(error)
     return None
-
-
-def outputs_and_grads(fn: Callable, q, k, v, grad, backward: bool) -> list[torch.Tensor]:
-    leaves = [t.detach().clone().requires_grad_(backward) for t in (q, k, v)]
-    with torch.set_grad_enabled(backward):
-        out = fn(*leaves)
-        if backward:
-            out.backward(grad)
-    return [out.detach()] + ([t.grad for t in leaves] if backward else [])
 
 
 def relative(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor) -> float:
