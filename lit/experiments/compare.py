@@ -126,10 +126,13 @@ def read_csv_rows(run_dir: Path) -> list[dict[str, str]]:
     return rows
 
 
-def val_history(rows: list[dict[str, str]]) -> list[tuple[int, float]]:
-    """``(step, val/loss)`` of every validation during the fit, once per step."""
+def val_history(rows: list[dict[str, str]], max_steps: int) -> list[tuple[int, float]]:
+    """``(step, val/loss)`` of every validation during the fit, once per step. Lightning logs those at
+    the step index before the optimizer step count, and the final validation after the fit at
+    ``max_steps``: it is left out."""
     key = names.loss("val")
-    return sorted({int(r["step"]) + 1: float(r[key]) for r in rows if r.get(key)}.items())
+    history = {int(r["step"]) + 1: float(r[key]) for r in rows if r.get(key)}
+    return sorted((step, loss) for step, loss in history.items() if step <= max_steps)
 
 
 def throughput(rows: list[dict[str, str]]) -> tuple[float, int]:
@@ -167,7 +170,7 @@ def train_one(study: dict, attention: str, seed: int) -> dict:
         "seed": seed,
         "config": json.loads(json.dumps(cli.model.hparams["config"])),
         "final": final,
-        "val_history": val_history(rows),
+        "val_history": val_history(rows, study["trainer"]["max_steps"]),
         "windows": [list(w) for w in cli.model.windows],
         "params_non_embedding": config.num_parameters(non_embedding=True),
         "params_total": config.num_parameters(non_embedding=False),
