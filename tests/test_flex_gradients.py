@@ -120,3 +120,18 @@ def test_use_flex_attention_wants_a_callable():
     with pytest.raises(TypeError, match="flex must be callable"):
         with use_flex_attention("flex"):
             pass
+
+
+def test_the_flex_backend_asks_flex_for_its_lse_and_adds_no_sink_key():
+    """The GPU path: one flex call over the S real keys, no score_mod, the LSE requested."""
+    problem = CASES["gqa"]
+    calls = []
+
+    def recording(q, k, v, **kwargs):
+        calls.append((k.shape[2], kwargs.get("score_mod"), kwargs.get("return_aux")))
+        return flex_standin(q, k, v, **kwargs)
+
+    with use_flex_attention(recording):
+        moba_attention(problem.q, problem.k, problem.v, backend="flex", **problem.attention_kwargs)
+    [(kv_len, score_mod, aux)] = calls
+    assert kv_len == problem.k.shape[2] and score_mod is None and aux.lse
