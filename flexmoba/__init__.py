@@ -8,7 +8,7 @@ __version__ = "0.1.0"  # the one place the version is written; pyproject.toml re
 from flexmoba.attention import moba_attention
 from flexmoba.backends import backend_names, register_backend
 from flexmoba.block_mask import moba_block_mask, selection_block_mask
-from flexmoba.compiled_flex import compiled_flex_attention
+from flexmoba.compiled_flex import compiled_flex_attention, use_flex_attention
 from flexmoba.decode import moba_decode_attention
 from flexmoba.flex_plan import MoBAFlexPlan, moba_flex_plan
 from flexmoba.gate import Selection, moba_selection, select_chunks
@@ -38,4 +38,5 @@ __all__ = [
     "register_backend",
     "select_chunks",
     "selection_block_mask",
+    "use_flex_attention",
 ]

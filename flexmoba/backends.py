@@ -35,7 +35,8 @@ Built-in backends (all exact):
 - ``"flex"``: FlexAttention, block-sparse. Token granularity runs the regrouped plan
   (:mod:`flexmoba.flex_plan`: one virtual row per (query, selected chunk), merged by
   log-sum-exp); tile granularity runs the union ``BlockMask``, which is exactly sparse
-  there. Trains on CUDA; on CPU it is inference only (FlexAttention has no CPU backward).
+  there. Trains on CUDA; on CPU it is inference only (FlexAttention has no CPU backward),
+  unless :func:`flexmoba.compiled_flex.use_flex_attention` sets a flex that has one.
 - ``"flex_union"``: the union ``BlockMask`` over the original query order, any
   granularity. Exact, but at token granularity a tile's union of selections is nearly
   dense, so it costs about as much as full attention.
@@ -61,7 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from flexmoba.block_mask import selection_block_mask
-from flexmoba.compiled_flex import compiled_flex_attention
+from flexmoba.compiled_flex import active_flex_attention, flex_trains_on, needs_sink
 from flexmoba.decode_kernels import gather_decode, sdpa_decode
 from flexmoba.flex_plan import plan_from_selection
 from flexmoba.gather import gather_moba_attention
@@ -190,7 +191,7 @@ def resolve_decode_backend(backend: str, n_queries: int, n_chunks: int, top_k: i
 
 
 def _refuse_cpu_grad(q, k, v) -> None:
-    if q.device.type == "cpu" and needs_grad(q, k, v):
+    if not flex_trains_on(q.device) and needs_grad(q, k, v):
         raise ValueError(
             "backend='flex' cannot compute gradients on CPU (FlexAttention has no CPU backward); "
             "use backend='gather' or 'auto', or call under torch.no_grad()"
@@ -201,7 +202,7 @@ def flex_union_backend(q, k, v, selection: Selection, scale: float) -> torch.Ten
     """Compiled flex over the union ``BlockMask`` in the original query order."""
     _refuse_cpu_grad(q, k, v)
     block_mask = selection_block_mask(selection, compute_q_blocks=needs_grad(q, k, v))
-    return compiled_flex_attention()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return active_flex_attention()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def flex_backend(q, k, v, selection: Selection, scale: float) -> torch.Tensor:
@@ -209,7 +210,7 @@ def flex_backend(q, k, v, selection: Selection, scale: float) -> torch.Tensor:
     if selection.granularity != "token":
         return flex_union_backend(q, k, v, selection, scale)
     _refuse_cpu_grad(q, k, v)
-    plan = plan_from_selection(selection, k.shape[1], sink=q.device.type == "cpu",
+    plan = plan_from_selection(selection, k.shape[1], sink=needs_sink(q.device),
                                compute_q_blocks=needs_grad(q, k, v))
     return plan.attention(q, k, v, scale=scale)
 

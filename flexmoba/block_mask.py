@@ -120,11 +120,17 @@ def interval_block_tables(starts: torch.Tensor, ends: torch.Tensor, block_size: 
     return tables_from_pairs(pairs, block_size, starts.shape[2], kv_len)
 
 
+def _block_lengths(length: int, block: int, device) -> torch.Tensor:
+    """``[ceil(length / block)]`` positions in each block; only the last may be short."""
+    starts = torch.arange(0, length, block, device=device)
+    return (length - starts).clamp(max=block)
+
+
 def tables_from_pairs(pairs: torch.Tensor, block_size: tuple[int, int], q_len: int, kv_len: int):
     """Pair counts ``[B, H, T, N]`` -> the four block tables: full where every pair is attended."""
     Bq, Bk = block_size
-    tile_len = torch.bincount(torch.arange(q_len, device=pairs.device) // Bq)
-    block_len = torch.bincount(torch.arange(kv_len, device=pairs.device) // Bk)
+    tile_len = _block_lengths(q_len, Bq, pairs.device)
+    block_len = _block_lengths(kv_len, Bk, pairs.device)
     full = pairs == tile_len[:, None] * block_len[None, :]
     partial = (pairs > 0) & ~full
     return (*_ordered_table(partial), *_ordered_table(full))
@@ -169,6 +175,7 @@ def selection_block_mask(
         block_size = (block_size, block_size)
     Bq, Bk = (validation.check_positive_int(b, "block_size") for b in block_size)
     S = selection.chunks.shape[2]
+    mask_mod = moba_mask_mod(selection)  # first: it refuses selections too large to index
     kv_num, kv_idx, full_num, full_idx = block_tables(selection, (Bq, Bk))
     return BlockMask.from_kv_blocks(
         kv_num,
@@ -176,7 +183,7 @@ def selection_block_mask(
         full_num,
         full_idx,
         BLOCK_SIZE=(Bq, Bk),
-        mask_mod=moba_mask_mod(selection),
+        mask_mod=mask_mod,
         seq_lengths=(S, S),
         compute_q_blocks=compute_q_blocks,
     )

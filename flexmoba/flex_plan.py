@@ -21,7 +21,11 @@ padding per chunk is paid once per group instead of once per head.
 The virtual length depends only on (B, H, H_kv, S, chunk_size, top_k, block size), never on
 the selection, so one compiled kernel serves every step of a run.
 
-Log-sum-exp on CPU. Compiled CPU flex cannot return it (torch 2.11-2.14), so the plan
+The GPU path: flex returns each row's log-sum-exp, and the merge is plain autograd, so
+gradients reach q, k and v through both flex's output and its LSE. Nothing on it reads a
+tensor back to the host (no ``.item()``, ``bool(tensor)`` or ``nonzero``).
+
+Log-sum-exp with the compiled CPU kernel. It cannot return it (torch 2.11-2.14), so the plan
 appends a *sink* key at index S, scored by the ``score_mod`` at a per-row constant ``c``,
 whose value is a one-hot extra column of V. The output's extra column is then
 ``p = exp(c - LSE')`` (``LSE'`` over the real keys and the sink), so
@@ -30,8 +34,9 @@ whose value is a one-hot extra column of V. The output's extra column is then
 
 ``c`` keeps ``p`` well inside (0, 1): the diagonal score for own rows (then ``p <= 1/2``)
 and ``q . mean(k_chunk) * scale`` for past rows (by Jensen ``p <= 1 / (C + 1)``). Where
-extreme logits underflow ``p`` the row's LSE is recomputed directly (rare; on CPU no
-device sync is involved).
+extreme logits underflow ``p`` the row's LSE is recomputed directly (rare; it reads which
+rows on the host, which on CPU is no device sync). The sink is the compiled CPU kernel's
+path only (:func:`flexmoba.compiled_flex.needs_sink`), never the GPU's.
 """
 
 from __future__ import annotations
@@ -45,9 +50,10 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask
 
 from flexmoba import validation
 from flexmoba.block_mask import DEFAULT_BLOCK_SIZE, interval_block_tables
-from flexmoba.compiled_flex import compiled_flex_attention
+from flexmoba.compiled_flex import active_flex_attention, needs_sink
 from flexmoba.gate import Selection, select_chunks
 from flexmoba.gather import selected_pairs
+from flexmoba.masks import check_flex_index
 from flexmoba.pair_counts import past_chunk_slots
 from flexmoba.spec import Granularity, MobaSpec
 
@@ -55,6 +61,8 @@ __all__ = ["MoBAFlexPlan", "moba_flex_plan", "plan_from_selection"]
 
 # Below this the sink's p carries too few significant bits to give LSE to fp32 precision.
 SINK_MIN_P = 1e-30
+
+PLAN_WAY_OUT = "split the batch, or use backend='gather'"
 
 
 @dataclass(frozen=True)
@@ -103,11 +111,12 @@ class MoBAFlexPlan:
                   flex: Callable | None = None) -> torch.Tensor:
         """MoBA of ``q: [B, H, S, D]`` over ``k, v: [B, H_kv, S, D]`` -> ``[B, H, S, Dv]``.
 
-        ``flex`` defaults to the process-wide compiled ``flex_attention``; any callable with
-        its signature works (e.g. eager ``flex_attention``). Without the sink, ``flex`` must
+        ``flex`` defaults to the active flex (:func:`flexmoba.compiled_flex.active_flex_attention`:
+        the compiled kernel unless ``use_flex_attention`` set another); any callable with its
+        signature works (e.g. eager ``flex_attention``). Without the sink, ``flex`` must
         return the log-sum-exp (``return_aux``).
         """
-        flex = compiled_flex_attention() if flex is None else flex
+        flex = active_flex_attention() if flex is None else flex
         scale = validation.softmax_scale(scale, q)
         virtual_q = self.gather_queries(q)
         if self.sink:
@@ -214,7 +223,13 @@ def _past_rows(selection: Selection, H_kv: int, own_len: int, past_len: int, blo
 
 
 def _interval_mask_mod(key_start: torch.Tensor, key_end: torch.Tensor, sink_at: int | None):
-    """Virtual row r attends keys in ``[key_start[r], key_end[r])`` (and the sink key)."""
+    """Virtual row r attends keys in ``[key_start[r], key_end[r])`` (and the sink key).
+
+    Refuses rows ``[B, H_kv, L]`` past int32 offsets; the sink's score_mod indexes a tensor
+    of the same shape, so this check covers it too.
+    """
+    for name, captured in (("plan.key_start", key_start), ("plan.key_end", key_end)):
+        check_flex_index(name, captured, PLAN_WAY_OUT)
     if sink_at is None:
         def mask_mod(b, h, q_idx, kv_idx):
             return (kv_idx >= key_start[b, h, q_idx]) & (kv_idx < key_end[b, h, q_idx])
@@ -251,10 +266,11 @@ def plan_from_selection(selection: Selection, kv_heads: int, *, block_size: int 
             starts = torch.cat([starts, torch.where(used, S, 0)[..., None]], -1)
             ends = torch.cat([ends, torch.where(used, S + 1, 0)[..., None]], -1)
         kv_len = S + int(sink)
+        mask_mod = _interval_mask_mod(key_start, key_end, S if sink else None)
         tables = interval_block_tables(starts, ends, (Bq, Bk), kv_len)
         block_mask = BlockMask.from_kv_blocks(
-            *tables, BLOCK_SIZE=(Bq, Bk), mask_mod=_interval_mask_mod(key_start, key_end, S if sink else None),
-            seq_lengths=(key_start.shape[-1], kv_len), compute_q_blocks=compute_q_blocks)
+            *tables, BLOCK_SIZE=(Bq, Bk), mask_mod=mask_mod, seq_lengths=(key_start.shape[-1], kv_len),
+            compute_q_blocks=compute_q_blocks)
     return MoBAFlexPlan(block_mask, key_start, key_end, source, rows, valid, sink, own_len, selection)
 
 
@@ -330,14 +346,14 @@ def moba_flex_plan(
         q: ``[B, H, S, D]``; k: ``[B, H_kv, S, D]``.
         spec (or chunk_size, top_k, granularity), document_ids: as in :func:`flexmoba.moba_selection`.
         block_size: FlexAttention's ``(Q, KV)`` block (an int for both); on GPU a multiple of 128.
-        sink: recover the log-sum-exp with a sink key (default: on CPU, where compiled flex
-            cannot return it).
+        sink: recover the log-sum-exp with a sink key (default: with the compiled kernel on
+            CPU, which cannot return it; see :func:`flexmoba.compiled_flex.needs_sink`).
 
     Returns:
         A :class:`MoBAFlexPlan`; ``plan.attention(q, k, v)`` runs it.
     """
     selection = select_chunks(q, k, spec, chunk_size=chunk_size, top_k=top_k, granularity=granularity,
                               document_ids=document_ids)
-    sink = q.device.type == "cpu" if sink is None else bool(sink)
+    sink = needs_sink(q.device) if sink is None else bool(sink)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
     return plan_from_selection(selection, k.shape[1], block_size=block_size, sink=sink, compute_q_blocks=grad)

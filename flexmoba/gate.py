@@ -19,6 +19,7 @@ share one selection: MoBA at tile granularity, an ablation, not the paper's mode
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -113,11 +114,16 @@ def gate_rows(q: torch.Tensor, layout: ChunkLayout, granularity) -> tuple[torch.
 def scores_against_means(rows: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
     """``rows: [B, H, R, D]`` fp32 . ``means: [B, H_kv, N, D]`` -> ``[B, H, R, N]``.
 
-    Query head h gates against KV head ``h // (H / H_kv)``, as in GQA.
+    Query head h gates against KV head ``h // (H / H_kv)``, as in GQA. fp32 under autocast too,
+    which would run the product in bf16 (and break the tie-breaking keys' fp32 bit view).
     """
     B, H, R, D = rows.shape
     H_kv, N = means.shape[1], means.shape[2]
-    scores = rows.reshape(B, H_kv, (H // H_kv) * R, D) @ means.transpose(-1, -2)  # one product per KV head
+    device = rows.device.type
+    no_autocast = torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) \
+        else contextlib.nullcontext()
+    with no_autocast:
+        scores = rows.reshape(B, H_kv, (H // H_kv) * R, D) @ means.transpose(-1, -2)  # one product per KV head
     return scores.view(B, H, R, N)
 
 

@@ -7,11 +7,44 @@ holding s. :func:`moba_mask_mod` states it for FlexAttention (one element at a t
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from flexmoba.gate import Selection
 
-__all__ = ["dense_moba_mask", "moba_mask_mod"]
+__all__ = ["check_flex_index", "dense_moba_mask", "largest_offset", "moba_mask_mod"]
+
+# Some FlexAttention versions inline a mask_mod's loads from captured tensors with int32
+# index arithmetic: an element past offset 2**31 - 1 is then read from the wrong place and
+# the mask is silently wrong. Every mask_mod and score_mod flexmoba builds checks the
+# tensors it captures with check_flex_index.
+MAX_FLEX_OFFSET = 2**31 - 1
+
+UNION_WAY_OUT = ("at token granularity use backend='flex' (the regrouped plan's mask_mod indexes "
+                 "[B, H_kv, L] virtual rows, not [B, H, S, n_chunks]); else backend='gather' or a smaller batch")
+
+
+def largest_offset(x: torch.Tensor | tuple[int, ...]) -> int:
+    """The largest element offset a load from ``x`` computes (a shape: a contiguous tensor of it)."""
+    if isinstance(x, torch.Tensor):
+        shape, stride, start = tuple(x.shape), x.stride(), x.storage_offset()
+    else:
+        shape, stride, start = tuple(x), None, 0
+    if math.prod(shape) == 0:
+        return start
+    if stride is None:
+        return math.prod(shape) - 1
+    return start + sum((size - 1) * step for size, step in zip(shape, stride, strict=True))
+
+
+def check_flex_index(name: str, x: torch.Tensor | tuple[int, ...], way_out: str) -> None:
+    """Refuse a tensor (or the shape of a contiguous one) a mask_mod would index past int32."""
+    offset = largest_offset(x)
+    if offset > MAX_FLEX_OFFSET:
+        shape = list(x.shape) if isinstance(x, torch.Tensor) else list(x)
+        raise ValueError(f"{name} {shape} reaches element offset {offset:,}, past the {MAX_FLEX_OFFSET:,} "
+                         f"(2**31 - 1) that FlexAttention may index in int32 (a silently wrong mask); {way_out}")
 
 
 def moba_mask_mod(selection: Selection):
@@ -20,10 +53,16 @@ def moba_mask_mod(selection: Selection):
     It is exact on its own (eager flex applies only the mask_mod); the block tables only
     accelerate it. Every mask it returns shares one code object and captures tensors of
     fixed shapes, so a new mask of an unchanged shape does not recompile.
+
+    Raises ``ValueError`` when a captured tensor (``chunks: [B, H, S, n_chunks]`` first)
+    reaches past int32 offsets (:func:`check_flex_index`).
     """
     chunks = selection.chunks
     doc_start = selection.layout.doc_start
     local_chunk = selection.layout.local_chunk
+    for name, captured in (("selection.chunks", chunks), ("layout.doc_start", doc_start),
+                           ("layout.local_chunk", local_chunk)):
+        check_flex_index(name, captured, UNION_WAY_OUT)
 
     def mask_mod(b, h, q_idx, kv_idx):
         causal = kv_idx <= q_idx

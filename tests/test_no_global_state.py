@@ -127,9 +127,7 @@ def states(tmp_path_factory) -> tuple[dict, dict]:
     "matplotlib backend",
     "matplotlib.rcParams identity",
     "matplotlib.rcParams values",
-    pytest.param("torch._dynamo.config.recompile_limit", marks=pytest.mark.xfail(
-        strict=True, reason="depends on flexmoba/compiled_flex.py no longer raising dynamo's recompile_limit "
-                            "(being changed separately); drop this mark when that lands")),
+    "torch._dynamo.config.recompile_limit",
 ])
 def test_library_leaves_process_state_unchanged(states, setting):
     before, after = states

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("transformers")
+from flex_standin import flex_standin  # noqa: E402
 from transformers import (  # noqa: E402
     AttentionInterface,
     DataCollatorWithFlattening,
@@ -17,7 +18,7 @@ from transformers import (  # noqa: E402
     LlamaForCausalLM,
 )
 
-from flexmoba import moba_reference  # noqa: E402
+from flexmoba import moba_reference, use_flex_attention  # noqa: E402
 from flexmoba.integrations import transformers as hf  # noqa: E402
 from flexmoba.kv_cache import ChunkKeySums  # noqa: E402
 
@@ -457,3 +458,28 @@ def test_a_mask_edited_in_place_is_analysed_again():
     mask[0, 6:] = 0  # right padding, written into the same tensor
     documents = hf.forward_document_ids(mask, None, 2, 8, mask.device)
     assert documents is not None and documents[0].tolist() == [0] * 6 + [1] * 2
+
+
+hf.register("moba-flex", chunk_size=CHUNK, top_k=TOP_K, backend="flex")
+
+
+def loss_and_grads(model, ids):
+    model.zero_grad()
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
+def test_flex_backend_trains_like_gather_through_the_adapter(kv_heads):
+    """The GPU path (the regrouped plan on flex's own LSE) via the differentiable stand-in."""
+    model, ids = tiny_llama(kv_heads, "moba-gather"), tokens()
+    want_loss, want = loss_and_grads(model, ids)
+    model.set_attn_implementation("moba-flex")
+    with use_flex_attention(flex_standin):
+        got_loss, got = loss_and_grads(model, ids)
+        moba = logits(model, ids)
+    torch.testing.assert_close(moba, logits(model, ids, "moba-reference"), **TOL)
+    torch.testing.assert_close(got_loss, want_loss, **TOL)
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
