@@ -18,9 +18,10 @@ TRAINING = ("fit", "validate", "test", "predict")
 
 def readme_commands() -> list[list[str]]:
     """The ``flexmoba <subcommand> ...`` lines of README.md's code blocks that hold no placeholder."""
-    blocks = re.findall(r"```(?:bash|sh)?\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    blocks = re.findall(r"```(\w*)\n(.*?)```", (REPO / "README.md").read_text(), re.S)
     commands = []
-    for line in (line for block in blocks for line in block.splitlines()):
+    shell = (code for language, code in blocks if language in ("", "bash", "sh"))
+    for line in (line for code in shell for line in code.splitlines()):
         line = line.split(" #")[0].strip()
         if line.startswith("flexmoba ") and not re.search(r"\.\.\.|<|\[|PATH|DIR", line):
             commands.append(shlex.split(line)[1:])
