@@ -96,6 +96,11 @@ def one_line_error(message: str) -> str:
     return f"--{'.'.join(keys)}: {rule}"
 
 
+# The training recipe's Trainer half (the optimizer and schedule are LitLM's defaults): every run, fit,
+# compare and sweep alike, starts from it; a config sets only its budget (steps, validation cadence).
+TRAINER_RECIPE = {"trainer.gradient_clip_val": 1.0, "trainer.log_every_n_steps": 10}
+
+
 class OneLineErrorParser(LightningArgumentParser):
     """Errors are one line on stderr, ``flexmoba: error: --option: rule``, and exit code 2; options are
     spelled out (an abbreviation such as ``--trainer.max_step`` is refused with the option it may mean)."""
@@ -183,6 +188,7 @@ class FlexMobaCLI(LightningCLI):
         parser.add_lightning_class_args(JsonlPredictionWriter, "predictions")
         parser.add_argument("--default_loggers", type=bool, default=True,
                             help="log to CSV and TensorBoard under the run folder, beside --trainer.logger")
+        parser.set_defaults(TRAINER_RECIPE)
         parser.set_defaults({
             "checkpoint.save_last": True,
             "checkpoint.filename": "step{step:06d}",
