@@ -22,12 +22,14 @@ compare skips finished runs and resumes an interrupted one from its last checkpo
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import math
 from pathlib import Path
 
 import torch
+from jsonargparse import DefaultHelpFormatter
 
 from flexmoba.model import ModelConfig
 from lit.cli.options import fail
@@ -60,7 +62,12 @@ def compare_arguments(parser) -> None:
 
 def parse(argv: list[str]) -> dict:
     """The study's settings: a ``flexmoba fit`` config plus ``seeds``, ``out``, ``final_val_batches``."""
-    return read_config(argv, compare_arguments, BUDGET, complete_budget, prog=PROG, description=__doc__)
+    return read_config(argv, compare_arguments, BUDGET, complete_budget, prog=PROG, description=__doc__,
+                       formatter_class=ExamplesKeptFormatter)
+
+
+class ExamplesKeptFormatter(argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter):
+    """jsonargparse's help (types, defaults) with the description's example lines kept as written."""
 
 
 def complete_budget(config) -> None:
