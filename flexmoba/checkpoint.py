@@ -38,9 +38,19 @@ def checkpoint_config(checkpoint: dict) -> ModelConfig:
         raise ValueError("checkpoint holds no model config (expected hyper_parameters['config'] or 'config')")
     if isinstance(config, ModelConfig):
         return config
-    if isinstance(config, dict):  # plain fields, or a YAML-style {class_path, init_args}
-        return ModelConfig(**{k: v for k, v in config.get("init_args", config).items() if not k.startswith("_")})
-    return ModelConfig(**vars(config))
+    if not isinstance(config, dict):
+        config = vars(config)
+    fields = {k: v for k, v in config.get("init_args", config).items() if not k.startswith("_")}  # or YAML-style
+    return ModelConfig(**spec_fields_nested(fields))
+
+
+def spec_fields_nested(fields: dict) -> dict:
+    """Model config fields with the flat ``moba_chunk_size``/``moba_top_k``/``moba_granularity``/
+    ``moba_backend`` that checkpoints written before :class:`flexmoba.MobaSpec` hold, as one ``moba``."""
+    flat = {k.removeprefix("moba_"): fields.pop(k) for k in list(fields) if k.startswith("moba_")}
+    if flat:
+        fields["moba"] = {**flat, **fields.get("moba", {})}
+    return fields
 
 
 def load_model(checkpoint: str | Path | dict, device: str | torch.device = "cpu", **overrides) -> GPT:
