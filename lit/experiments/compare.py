@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -62,8 +63,10 @@ def compare_arguments(parser) -> None:
 
 def parse(argv: list[str]) -> dict:
     """The study's settings: a ``flexmoba fit`` config plus ``seeds``, ``out``, ``final_val_batches``."""
-    return read_config(argv, compare_arguments, BUDGET, complete_budget, prog=PROG, description=__doc__,
-                       formatter_class=ExamplesKeptFormatter)
+    study = read_config(argv, compare_arguments, BUDGET, complete_budget, prog=PROG, description=__doc__,
+                        formatter_class=ExamplesKeptFormatter)
+    study["model"]["config"] = study["model"]["config"] or dataclasses.asdict(ModelConfig())  # the default model
+    return study
 
 
 class ExamplesKeptFormatter(argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter):

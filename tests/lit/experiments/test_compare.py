@@ -94,6 +94,20 @@ def test_a_diverging_compare_stops_with_one_line_and_exit_1(tmp_path, corpus_cac
     assert not (tmp_path / "study" / "results.md").exists()
 
 
+def test_the_default_study_is_the_default_model_on_the_main_budget(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["flexmoba"])
+    from flexmoba.model import ModelConfig
+    from lit.experiments.compare import parse, run_config
+
+    study = parse(["--out", str(tmp_path / "study")])
+    run = run_config(study, "full", 1337)
+    assert ModelConfig(**run["model"]["config"]) == ModelConfig(attention="full")
+    assert run["trainer"]["max_steps"] == 100 and run["trainer"]["val_check_interval"] == 20
+    assert run["model"]["warmup_steps"] == 10 and run["model"]["position_window"] == 256
+    assert run["trainer"]["gradient_clip_val"] == 1.0 and run["seed_everything"] == 1337
+    assert run["trainer"]["default_root_dir"] == str(tmp_path / "study" / "full" / "seed1337")
+
+
 def test_another_study_in_the_same_folder_is_refused(tmp_path):
     out = tmp_path / "study"
     out.mkdir()
