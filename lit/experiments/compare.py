@@ -148,16 +148,11 @@ def val_history(rows: list[dict[str, str]], max_steps: int) -> list[tuple[int, f
 def throughput(rows: list[dict[str, str]]) -> tuple[float, int]:
     """Training seconds (validation excluded) and tokens, summed over the fit's sessions (a resumed
     run restarts the clock), from the throughput monitor's cumulative counters."""
-    seconds, tokens, last = 0.0, 0, None
-    for r in rows + [{}]:
-        time, lengths = r.get("throughput/train/time"), r.get("throughput/train/lengths")
-        if time and lengths:
-            if last is not None and float(time) < last[0]:  # a new session
-                seconds, tokens = seconds + last[0], tokens + last[1]
-            last = (float(time), int(float(lengths)))
-    if last is not None:
-        seconds, tokens = seconds + last[0], tokens + last[1]
-    return seconds, tokens
+    counters = [(float(r["throughput/train/time"]), int(float(r["throughput/train/lengths"]))) for r in rows
+                if r.get("throughput/train/time") and r.get("throughput/train/lengths")]
+    session_ends = [c for c, after in zip(counters, [*counters[1:], None], strict=False)
+                    if after is None or after[0] < c[0]]
+    return sum(t for t, _ in session_ends), sum(n for _, n in session_ends)
 
 
 def train_one(study: dict, attention: str, seed: int) -> dict:
