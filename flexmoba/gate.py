@@ -20,6 +20,7 @@ share one selection: MoBA at tile granularity, an ablation, not the paper's mode
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -37,20 +38,29 @@ class Selection:
     """The chunks each query attends.
 
     Attributes:
-        chunks: ``[B, H, S, n_chunks]`` bool; ``chunks[b, h, t, j]`` says query t of head h
-            attends the j-th chunk of its own document (own chunk included).
         past_chunks: ``[B, H, S, P]`` local indices of the selected past chunks,
             ``P = min(top_k - 1, n_chunks - 1)``; entries with ``past_valid`` False are unused.
         past_valid: ``[B, H, S, P]`` bool.
         layout: the chunk layout the indices refer to.
         granularity: ``"token"`` or the tile size whose queries share one selection.
+        chunks: ``[B, H, S, n_chunks]`` bool, built on first use (the sparse backends never
+            need it); ``chunks[b, h, t, j]`` says query t of head h attends the j-th chunk of
+            its own document (own chunk included).
     """
 
-    chunks: torch.Tensor
     past_chunks: torch.Tensor
     past_valid: torch.Tensor
     layout: ChunkLayout
     granularity: str | int = "token"
+
+    @functools.cached_property
+    def chunks(self) -> torch.Tensor:
+        B, H, S, _ = self.past_chunks.shape
+        chunks = torch.zeros(B, H, S, self.layout.n_chunks, dtype=torch.bool, device=self.past_chunks.device)
+        own = self.layout.local_chunk[:, None, :, None].expand(B, H, S, 1)
+        chunks.scatter_(-1, torch.where(self.past_valid, self.past_chunks, own), True)  # unused slots: own
+        chunks.scatter_(-1, own, True)
+        return chunks
 
 
 def chunk_means(k: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
@@ -170,6 +180,62 @@ def select_past_chunks(scores: torch.Tensor, own: torch.Tensor, top_k: int) -> t
     return indices, scores.gather(-1, indices) > float("-inf")
 
 
+# Query chunks scored together against one block of candidate chunks; more groups waste less
+# of the causal triangle, fewer groups run fewer (smaller) products.
+MAX_QUERY_GROUPS = 64
+
+
+def query_chunk_groups(n_chunks: int) -> list[tuple[int, int]]:
+    """``[(first, end), ...]``: the query chunks ``1 .. n_chunks - 1`` in at most
+    :data:`MAX_QUERY_GROUPS` consecutive groups (chunk 0 has no past)."""
+    size = -(-(n_chunks - 1) // MAX_QUERY_GROUPS)
+    return [(first, min(first + size, n_chunks)) for first in range(1, n_chunks, size)]
+
+
+def select_past_chunks_on_grid(
+    rows: torch.Tensor, means: torch.Tensor, rows_per_chunk: int, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`select_past_chunks` for a layout without documents, where row r's own chunk is
+    ``r // rows_per_chunk``: only the causal part of the scores is computed, and no sort keys.
+
+    ``rows: [B, H, R, D]`` fp32, ``means: [B, H_kv, N, D]`` fp32. Each group of query chunks
+    scores its past chunks latest first, so the first maximum ``max`` returns is the later
+    chunk of a tie; a taken chunk is then set to -inf. Returns ``(indices, valid)``, each
+    ``[B, H, R, P]`` with ``P = min(top_k - 1, N - 1)``, in :func:`select_past_chunks`' order.
+    """
+    B, H, R, D = rows.shape
+    H_kv, N = means.shape[1], means.shape[2]
+    P = min(top_k - 1, N - 1)
+    indices = torch.zeros(B, H_kv, H // H_kv, R, P, dtype=torch.long, device=rows.device)
+    valid = torch.zeros(B, H_kv, H // H_kv, R, P, dtype=torch.bool, device=rows.device)
+    grouped = rows.view(B, H_kv, H // H_kv, R, D)
+    latest_first = means.flip(2).transpose(-1, -2)[:, :, None]  # [B, H_kv, 1, D, N]: column i is chunk N-1-i
+    for first, end in query_chunk_groups(N) if P else []:
+        n_past = end - 1  # the group's past: chunks 0 .. end-2, as columns end-2 .. 0
+        rows_slice = slice(first * rows_per_chunk, min(end * rows_per_chunk, R))
+        scores = _no_autocast_matmul(grouped[:, :, :, rows_slice], latest_first[..., N - n_past:])
+        scores.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+        if end - first > 1:  # rows of the group's earlier chunks: their own chunk and later are not past
+            own = torch.arange(rows_slice.start, rows_slice.stop, device=rows.device) // rows_per_chunk
+            column = torch.arange(n_past, device=rows.device)
+            scores.masked_fill_(column < n_past - own[:, None], float("-inf"))
+        for slot in range(min(P, n_past)):
+            best, column = scores.max(-1)
+            indices[:, :, :, rows_slice, slot] = n_past - 1 - column
+            valid[:, :, :, rows_slice, slot] = best > float("-inf")
+            scores.scatter_(-1, column[..., None], float("-inf"))
+    return indices.view(B, H, R, P), valid.view(B, H, R, P)
+
+
+def _no_autocast_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in fp32 under autocast too (which would run it in bf16)."""
+    device = a.device.type
+    if not torch.amp.is_autocast_available(device):
+        return a @ b
+    with torch.autocast(device, enabled=False):
+        return a @ b
+
+
 def select_chunks(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -207,14 +273,15 @@ def select_chunks(
     validation.check_layout(layout, B, S, chunk_size, document_ids)
     with torch.no_grad():
         rows, own, positions_per_row = gate_rows(q.detach(), layout, granularity)
-        past_chunks, past_valid = select_past_chunks(gate_scores(rows, k.detach(), layout), own, top_k)
+        if layout.has_documents:
+            past_chunks, past_valid = select_past_chunks(gate_scores(rows, k.detach(), layout), own, top_k)
+        else:
+            past_chunks, past_valid = select_past_chunks_on_grid(
+                rows, chunk_means(k.detach(), layout), chunk_size // positions_per_row, top_k)
         if positions_per_row > 1:
             past_chunks = past_chunks.repeat_interleave(positions_per_row, dim=2)[:, :, :S]
             past_valid = past_valid.repeat_interleave(positions_per_row, dim=2)[:, :, :S]
-        chunks = torch.zeros(B, H, S, layout.n_chunks, dtype=torch.bool, device=q.device)
-        chunks.scatter_(-1, past_chunks, past_valid)
-        chunks.scatter_(-1, layout.local_chunk[:, None, :, None].expand(B, H, S, 1), True)
-    return Selection(chunks, past_chunks, past_valid, layout, granularity)
+    return Selection(past_chunks, past_valid, layout, granularity)
 
 
 def select_against_means(
