@@ -63,33 +63,51 @@ class PastPairs:
     """(query, past chunk) pairs sorted by the keys they read.
 
     Attributes:
+        slot: ``[P]`` flat index of each pair in ``[B, H, S, top_k - 1]`` (its query and slot).
         query: ``[P]`` flat index of each pair's query in ``[B * H * S]``.
-        segments: one per (KV row, chunk), covering ``query`` in order.
+        segments: one per (KV row, chunk), covering the pairs in order.
+        slots_per_query: ``top_k - 1`` (or fewer when there are fewer chunks).
     """
 
+    slot: torch.Tensor
     query: torch.Tensor
     segments: list[Segment]
+    slots_per_query: int
+
+
+def _global_chunk_starts(layout) -> torch.Tensor:
+    """``[B, n_global_chunks]`` first position of each global chunk of each row."""
+    B, S = layout.global_chunk.shape
+    positions = torch.arange(S, device=layout.global_chunk.device).expand(B, S)
+    starts = torch.full((B, layout.n_global_chunks), S, dtype=torch.long, device=positions.device)
+    return starts.scatter_reduce(1, layout.global_chunk, positions, reduce="amin")
 
 
 def past_pairs(selection: Selection, kv_heads: int) -> PastPairs:
-    """Sort the selected past pairs by (KV row, chunk start); one host read sizes the segments."""
+    """Sort the selected past pairs by (KV row, global chunk); one host read sizes the segments."""
     layout = selection.layout
     B, H, S, P = selection.past_chunks.shape
-    c = layout.chunk_size
+    n_global = layout.n_global_chunks
     device = selection.past_chunks.device
     kv_row = (torch.arange(B, device=device)[:, None] * kv_heads
               + torch.arange(H, device=device) // (H // kv_heads))[:, :, None, None]  # [B, H, 1, 1]
-    start = layout.doc_start[:, None, :, None] + selection.past_chunks * c  # [B, H, S, P]
-    key = (kv_row * S + start).flatten()
-    pair = selection.past_valid.flatten().nonzero().squeeze(1)
-    order = torch.argsort(key[pair], stable=True)
-    pair, sorted_key = pair[order], key[pair][order]
-    keys, counts = torch.unique_consecutive(sorted_key, return_counts=True)
+    global_chunk = layout.first_global_chunk[:, None, :, None] + selection.past_chunks  # [B, H, S, P]
+    n_buckets = B * kv_heads * n_global
+    # The sort key is the smallest integer type that holds every bucket and the "unused" one past them.
+    dtype = torch.int16 if n_buckets < 2**15 else torch.int32 if n_buckets < 2**31 else torch.long
+    bucket = torch.where(selection.past_valid, kv_row * n_global + global_chunk, n_buckets).to(dtype).flatten()
+    counts = torch.bincount(bucket.long(), minlength=n_buckets + 1)[:n_buckets]
+    slot = torch.argsort(bucket, stable=True)
+    starts = _global_chunk_starts(layout).flatten()
+    used = counts.nonzero().squeeze(1)
     segments, offset = [], 0
-    for key_value, count in zip(keys.tolist(), counts.tolist(), strict=True):
-        segments.append(Segment(offset, count, key_value // S, key_value % S, c))
+    for b, count, start in zip(used.tolist(), counts[used].tolist(),
+                               starts[used // (kv_heads * n_global) * n_global + used % n_global].tolist(),
+                               strict=True):
+        segments.append(Segment(offset, count, b // n_global, start, layout.chunk_size))
         offset += count
-    return PastPairs(pair // P, segments)
+    slot = slot[:offset]
+    return PastPairs(slot, torch.div(slot, P, rounding_mode="floor") if P else slot, segments, P)
 
 
 def own_segments(selection: Selection, heads: int, kv_heads: int) -> list[Segment]:
@@ -151,8 +169,9 @@ def dense_attention_backward(grad_out, q, k, v, out, lse, causal: bool, scale: f
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-# The fused CPU backward parallelises over the batch only: a chunk's queries run as a batch
-# of blocks of this many rows against one (broadcast) copy of its keys.
+# The fused CPU backward parallelises over the batch only: in the backward pass a chunk's queries
+# run as a batch of blocks of this many rows against one (broadcast) copy of its keys (the
+# forward parallelises over query blocks itself and takes them in one call).
 QUERY_BLOCK = 128
 
 
@@ -163,20 +182,9 @@ def _row_blocks(n: int, block: int) -> list[tuple[int, int, int]]:
     return parts + ([(whole, 1, n - whole)] if n > whole else [])
 
 
-def past_chunk_attention(q, k, v, scale: float, block: int = QUERY_BLOCK):
-    """``q: [n, D]`` against the whole chunk ``k, v: [c, D]`` -> (out ``[n, Dv]``, lse ``[n]`` fp32)."""
-    outs, lses = [], []
-    for first, batch, rows in _row_blocks(q.shape[0], block):
-        part = q[first:first + batch * rows].view(batch, 1, rows, -1)
-        out, lse = dense_attention(part, k.expand(batch, 1, *k.shape), v.expand(batch, 1, *v.shape), False, scale)
-        outs.append(out.reshape(batch * rows, -1))
-        lses.append(lse.reshape(-1))
-    return torch.cat(outs), torch.cat(lses)
-
-
 def past_chunk_attention_backward(grad_out, q, k, v, out, lse, scale: float, block: int = QUERY_BLOCK):
-    """Gradients ``(dq [n, D], dk [c, D], dv [c, Dv])`` of :func:`past_chunk_attention`,
-    given the merged ``out`` and ``lse`` of its queries."""
+    """Gradients ``(dq [n, D], dk [c, D], dv [c, Dv])`` of ``q: [n, D]``'s attention over the
+    whole chunk ``k, v: [c, D]``, given the merged ``out`` and ``lse`` of its queries."""
     dqs, dk, dv = [], 0, 0
     for first, batch, rows in _row_blocks(q.shape[0], block):
         grad_b, q_b, out_b, lse_b = (x[first:first + batch * rows].view(batch, 1, rows, *x.shape[1:])
@@ -213,13 +221,15 @@ class _GatheredMoBA(torch.autograd.Function):
         own_out, own_lse = _own_forward(q, k, v, own, chunk, scale)
         q_rows, k_rows, v_rows = q.reshape(-1, D), k.reshape(B * H_kv, S, D), v.reshape(B * H_kv, S, Dv)
         pair_q = q_rows[pairs.query]
-        pair_out = q.new_empty(len(pairs.query), Dv)
-        pair_lse = torch.empty(len(pairs.query), device=q.device)
+        P = pairs.slots_per_query
+        slot_out = q.new_zeros(B * H * S * P, Dv)
+        slot_lse = torch.full((B * H * S * P,), float("-inf"), device=q.device)
         for seg in pairs.segments:
-            rows, keys = slice(seg.offset, seg.offset + seg.count), slice(seg.start, seg.start + seg.length)
-            pair_out[rows], pair_lse[rows] = past_chunk_attention(
-                pair_q[rows], k_rows[seg.kv_row, keys], v_rows[seg.kv_row, keys], scale, block)
-        out, lse = merge_parts(own_out.reshape(-1, Dv), own_lse.flatten(), pair_out, pair_lse, pairs.query)
+            rows = slice(seg.offset, seg.offset + seg.count)
+            seg_out, seg_lse = dense_attention(pair_q[rows][None, None], *_keys(k_rows, v_rows, seg), False, scale)
+            slot_out[pairs.slot[rows]], slot_lse[pairs.slot[rows]] = seg_out[0, 0], seg_lse[0, 0]
+        out, lse = merge_slots(own_out.reshape(-1, Dv), own_lse.flatten(), slot_out.view(B * H * S, P, Dv),
+                               slot_lse.view(B * H * S, P))
         out = out.view(B, H, S, Dv)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.pairs, ctx.own, ctx.chunk, ctx.scale, ctx.block = pairs, own, chunk, scale, block
@@ -303,20 +313,16 @@ def _own_backward(grad_out, q, k, v, out, lse, own: list[Segment] | None, chunk:
     return dq.view_as(q), dk.view_as(k), dv.view_as(v)
 
 
-def merge_parts(own_out, own_lse, pair_out, pair_lse, query):
-    """Merge each query's own part (``[N, Dv]``, ``[N]``) with its past pairs by log-sum-exp.
+def merge_slots(own_out, own_lse, slot_out, slot_lse):
+    """Merge each query's own part (``[N, Dv]``, ``[N]``) with its past slots
+    (``[N, P, Dv]``, ``[N, P]``; unused slots have lse -inf and a zero output) by log-sum-exp.
 
-    ``pair_out: [P, Dv]``, ``pair_lse: [P]``, ``query: [P]`` the query of each pair.
     Returns (out ``[N, Dv]`` in own_out's dtype, lse ``[N]`` fp32).
     """
-    peak = own_lse.scatter_reduce(0, query, pair_lse, reduce="amax")
-    peak = torch.where(torch.isfinite(peak), peak, 0.0)
-    own_weight = torch.exp(own_lse - peak)
-    pair_weight = torch.exp(pair_lse - peak[query])
-    total = own_weight.index_add(0, query, pair_weight)
-    lse = peak + torch.log(total)
-    out = own_out.float() * (own_weight / total)[:, None]
-    out.index_add_(0, query, pair_out.float() * (pair_weight / total[query])[:, None])
+    lses = torch.cat([own_lse[:, None], slot_lse], 1)  # [N, P + 1]
+    lse = torch.logsumexp(lses, 1)
+    weight = torch.exp(lses - torch.where(torch.isfinite(lse), lse, 0.0)[:, None])
+    out = own_out.float() * weight[:, :1] + (weight[:, None, 1:] @ slot_out.float())[:, 0]
     return out.to(own_out.dtype), lse
 
 
@@ -330,7 +336,7 @@ def gather_moba_attention(
 ) -> torch.Tensor:
     """MoBA attention of ``q: [B, H, S, D]`` over ``k, v: [B, H_kv, S, D]`` -> ``[B, H, S, Dv]``.
 
-    ``query_block``: a past chunk's queries run as a batch of blocks of this many rows.
+    ``query_block``: in the backward pass a past chunk's queries run as a batch of blocks of this many rows.
     """
     scale = validation.softmax_scale(scale, q)
     with torch.no_grad():
