@@ -71,10 +71,15 @@ class PastPairs:
     segments: list[Segment]
 
 
-def past_pairs(selection: Selection, kv_heads: int) -> PastPairs:
-    """Sort the selected past pairs by (KV row, chunk start); one host read sizes the segments."""
+def past_pairs(selection: Selection, kv_heads: int, key_len: int | None = None) -> PastPairs:
+    """Sort the selected past pairs by (KV row, chunk start); one host read sizes the segments.
+
+    ``key_len``: keys per KV row when it differs from the number of queries (queries that
+    sit at the end of longer keys, :mod:`flexmoba.context_parallel`).
+    """
     layout = selection.layout
     B, H, S, P = selection.past_chunks.shape
+    S = S if key_len is None else key_len
     c = layout.chunk_size
     device = selection.past_chunks.device
     kv_row = (torch.arange(B, device=device)[:, None] * kv_heads
@@ -205,13 +210,26 @@ def _unchunk(x: torch.Tensor, B: int, H: int, S: int) -> torch.Tensor:
     return x.reshape(B, H, -1, *x.shape[3:])[:, :, :S]
 
 
+def _embed_keys(d_own: torch.Tensor, like: torch.Tensor, key_offset: int) -> torch.Tensor:
+    """Gradient ``[B, H_kv, S, D]`` of keys ``[key_offset, key_offset + S)`` as one of all keys ``like``."""
+    if d_own.shape == like.shape:
+        return d_own
+    full = torch.zeros_like(like)
+    full.narrow(2, key_offset, d_own.shape[2]).copy_(d_own)
+    return full
+
+
 class _GatheredMoBA(torch.autograd.Function):
+    """``q: [B, H, S, D]`` over ``k, v: [B, H_kv, T, D]``, T >= S; the queries' own chunks lie in
+    keys ``[key_offset, key_offset + S)`` (0 and T = S unless queries sit at the end of longer keys)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, pairs: PastPairs, own: list[Segment] | None, chunk: int, scale: float, block: int):
+    def forward(ctx, q, k, v, pairs: PastPairs, own: list[Segment] | None, chunk: int, scale: float, block: int,
+                key_offset: int = 0):
         B, H, S, D = q.shape
         H_kv, Dv = k.shape[1], v.shape[-1]
-        own_out, own_lse = _own_forward(q, k, v, own, chunk, scale)
-        q_rows, k_rows, v_rows = q.reshape(-1, D), k.reshape(B * H_kv, S, D), v.reshape(B * H_kv, S, Dv)
+        own_out, own_lse = _own_forward(q, k.narrow(2, key_offset, S), v.narrow(2, key_offset, S), own, chunk, scale)
+        q_rows, k_rows, v_rows = q.reshape(-1, D), k.reshape(B * H_kv, -1, D), v.reshape(B * H_kv, -1, Dv)
         pair_q = q_rows[pairs.query]
         pair_out = q.new_empty(len(pairs.query), Dv)
         pair_lse = torch.empty(len(pairs.query), device=q.device)
@@ -223,6 +241,7 @@ class _GatheredMoBA(torch.autograd.Function):
         out = out.view(B, H, S, Dv)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.pairs, ctx.own, ctx.chunk, ctx.scale, ctx.block = pairs, own, chunk, scale, block
+        ctx.key_offset = key_offset
         return out
 
     @staticmethod
@@ -232,9 +251,11 @@ class _GatheredMoBA(torch.autograd.Function):
         H_kv, Dv = k.shape[1], v.shape[-1]
         pairs, scale = ctx.pairs, ctx.scale
         grad_out = grad_out.contiguous()
-        dq, dk, dv = _own_backward(grad_out, q, k, v, out, lse.view(B, H, S), ctx.own, ctx.chunk, scale)
-        q_rows, k_rows, v_rows = q.reshape(-1, D), k.reshape(B * H_kv, S, D), v.reshape(B * H_kv, S, Dv)
-        dk_rows, dv_rows = dk.view(B * H_kv, S, D), dv.view(B * H_kv, S, Dv)
+        k_own, v_own = k.narrow(2, ctx.key_offset, S), v.narrow(2, ctx.key_offset, S)
+        dq, dk, dv = _own_backward(grad_out, q, k_own, v_own, out, lse.view(B, H, S), ctx.own, ctx.chunk, scale)
+        dk, dv = _embed_keys(dk, k, ctx.key_offset), _embed_keys(dv, v, ctx.key_offset)
+        q_rows, k_rows, v_rows = q.reshape(-1, D), k.reshape(B * H_kv, -1, D), v.reshape(B * H_kv, -1, Dv)
+        dk_rows, dv_rows = dk.view(B * H_kv, -1, D), dv.view(B * H_kv, -1, Dv)
         index = pairs.query
         pair_grad, pair_q = grad_out.reshape(-1, Dv)[index], q_rows[index]
         pair_out, pair_lse = out.reshape(-1, Dv)[index], lse[index]
@@ -247,7 +268,7 @@ class _GatheredMoBA(torch.autograd.Function):
             dk_rows[seg.kv_row, keys] += dk_s
             dv_rows[seg.kv_row, keys] += dv_s
         dq.view(-1, D).index_add_(0, index, pair_dq)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def _keys(k_rows, v_rows, seg: Segment):
