@@ -100,7 +100,7 @@ class MoBAFlexPlan:
         """(query, key) pairs in the key blocks the kernel visits, the sink key's block excluded."""
         Bq, Bk = self.block_mask.BLOCK_SIZE
         bm = self.block_mask
-        sink_block = self.selection.chunks.shape[2] // Bk if self.sink else -1
+        sink_block = (bm.seq_lengths[1] - 1) // Bk if self.sink else -1
         blocks = 0
         for num, idx in ((bm.kv_num_blocks, bm.kv_indices), (bm.full_kv_num_blocks, bm.full_kv_indices)):
             listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
@@ -110,6 +110,8 @@ class MoBAFlexPlan:
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
                   flex: Callable | None = None) -> torch.Tensor:
         """MoBA of ``q: [B, H, S, D]`` over ``k, v: [B, H_kv, S, D]`` -> ``[B, H, S, Dv]``.
+
+        A plan built with ``query_start=o`` takes ``k, v: [B, H_kv, o + S, D]``.
 
         ``flex`` defaults to the active flex (:func:`flexmoba.compiled_flex.active_flex_attention`:
         the compiled kernel unless ``use_flex_attention`` set another); any callable with its
@@ -144,8 +146,11 @@ class MoBAFlexPlan:
         return (weights[..., None] * slot_out.float()).sum(3).to(out.dtype)
 
 
-def virtual_lengths(heads_per_kv: int, seq_len: int, chunk_size: int, top_k: int, block_q: int) -> tuple[int, int]:
+def virtual_lengths(heads_per_kv: int, seq_len: int, chunk_size: int, top_k: int, block_q: int,
+                    query_start: int = 0) -> tuple[int, int]:
     """Static ``(own rows, past rows)`` of the virtual sequence: bounds over every selection.
+
+    ``query_start``: the queries are positions ``[query_start, query_start + seq_len)``.
 
     A query at offset t of its document has at most ``min(top_k - 1, t // chunk_size)``
     past chunks, and ``t`` is at most its position, so the no-document count bounds every
@@ -154,8 +159,9 @@ def virtual_lengths(heads_per_kv: int, seq_len: int, chunk_size: int, top_k: int
     a block.
     """
     own = heads_per_kv * -(-seq_len // block_q) * block_q
-    pairs = past_chunk_slots(seq_len, chunk_size, top_k)
-    groups = min((seq_len - 1) // chunk_size, heads_per_kv * pairs)
+    end = query_start + seq_len
+    pairs = past_chunk_slots(end, chunk_size, top_k) - past_chunk_slots(query_start, chunk_size, top_k)
+    groups = min((end - 1) // chunk_size, heads_per_kv * pairs)
     past_blocks = (heads_per_kv * pairs + groups * (block_q - 1)) // block_q
     return own, past_blocks * block_q
 
@@ -164,7 +170,7 @@ def _exclusive_cumsum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.cumsum(x, dim) - x
 
 
-def _own_rows(selection: Selection, H_kv: int, own_len: int):
+def _own_rows(selection: Selection, H_kv: int, own_len: int, query_start: int = 0):
     """Intervals and sources of the own rows, and the own slot's virtual row ``[B, H, S]``."""
     layout = selection.layout
     B, H, S, _ = selection.chunks.shape
@@ -174,7 +180,7 @@ def _own_rows(selection: Selection, H_kv: int, own_len: int):
     real = positions < S
     t = positions.clamp(max=S - 1)
     start = torch.where(real, layout.chunk_start[:, t], 0)  # [B, padded]
-    end = torch.where(real, positions + 1, 0).expand(B, padded)
+    end = torch.where(real, positions + 1 + query_start, 0).expand(B, padded)
     head = torch.arange(G, device=positions.device)[:, None]
     source = (head * S + t).reshape(1, 1, G * padded).expand(B, H_kv, -1)
     own_row = (head * padded + positions[:S]).expand(B, H_kv, G, S).reshape(B, H, S)
@@ -182,24 +188,25 @@ def _own_rows(selection: Selection, H_kv: int, own_len: int):
     return expand(start), expand(end), source, own_row
 
 
-def _past_rows(selection: Selection, H_kv: int, own_len: int, past_len: int, block_q: int):
+def _past_rows(selection: Selection, H_kv: int, own_len: int, past_len: int, block_q: int, key_len: int):
     """Intervals and sources of the past rows, and each past slot's virtual row ``[B, H, S, P]``."""
     layout = selection.layout
     B, H, S, P = selection.past_chunks.shape
+    T = key_len
     G, c = H // H_kv, layout.chunk_size
     device = selection.past_chunks.device
 
     chunk_start = layout.doc_start[:, None, :, None] + selection.past_chunks * c  # [B, H, S, P]
-    key = torch.where(selection.past_valid, chunk_start, S).reshape(B * H_kv, G * S * P)
-    counts = torch.zeros(B * H_kv, S + 1, dtype=torch.long, device=device)
+    key = torch.where(selection.past_valid, chunk_start, T).reshape(B * H_kv, G * S * P)
+    counts = torch.zeros(B * H_kv, T + 1, dtype=torch.long, device=device)
     counts.scatter_add_(1, key, torch.ones_like(key))
-    counts = counts[:, :S]
+    counts = counts[:, :T]
     blocks = (counts + block_q - 1) // block_q
     first_row = own_len + _exclusive_cumsum(blocks) * block_q  # [R, S] first virtual row of chunk s
 
     sorted_key, order = torch.sort(key, dim=1, stable=True)
-    in_range = sorted_key < S
-    sorted_key = sorted_key.clamp(max=S - 1)
+    in_range = sorted_key < T
+    sorted_key = sorted_key.clamp(max=T - 1)
     rank = torch.arange(key.shape[1], device=device) - _exclusive_cumsum(counts).gather(1, sorted_key)
     row_sorted = torch.where(in_range, first_row.gather(1, sorted_key) + rank, 0)
     rows = torch.empty_like(row_sorted).scatter_(1, order, row_sorted)  # [R, G*S*P]
@@ -214,8 +221,8 @@ def _past_rows(selection: Selection, H_kv: int, own_len: int, past_len: int, blo
     n_blocks = past_len // block_q
     blocks_through = torch.cumsum(blocks, dim=1)  # [R, S]
     block_index = torch.arange(n_blocks, device=device).expand(B * H_kv, n_blocks).contiguous()
-    block_chunk = torch.searchsorted(blocks_through, block_index, right=True)  # S where unused
-    used = block_chunk < S
+    block_chunk = torch.searchsorted(blocks_through, block_index, right=True)  # T where unused
+    used = block_chunk < T
     start = torch.where(used, block_chunk, 0).repeat_interleave(block_q, dim=1)
     end = torch.where(used, block_chunk + c, 0).repeat_interleave(block_q, dim=1)
     view = lambda x: x.view(B, H_kv, -1)  # noqa: E731
@@ -241,17 +248,22 @@ def _interval_mask_mod(key_start: torch.Tensor, key_end: torch.Tensor, sink_at: 
 
 
 def plan_from_selection(selection: Selection, kv_heads: int, *, block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
-                        sink: bool = False, compute_q_blocks: bool = False) -> MoBAFlexPlan:
-    """The :class:`MoBAFlexPlan` of an already computed selection."""
+                        sink: bool = False, compute_q_blocks: bool = False, query_start: int = 0) -> MoBAFlexPlan:
+    """The :class:`MoBAFlexPlan` of an already computed selection.
+
+    ``query_start``: the selection's S queries are positions ``[query_start, query_start + S)``
+    of keys ``[0, query_start + S)`` (its layout holds their rows; :mod:`flexmoba.context_parallel`).
+    """
     Bq, Bk = (block_size, block_size) if isinstance(block_size, int) else block_size
     B, H, S, P = selection.past_chunks.shape
     G = H // kv_heads
+    T = query_start + S
     # Past slots only exist where some query may have a past chunk.
-    own_len, past_len = virtual_lengths(G, S, selection.layout.chunk_size, P + 1, Bq)
+    own_len, past_len = virtual_lengths(G, S, selection.layout.chunk_size, P + 1, Bq, query_start)
     with torch.no_grad():
-        own_start, own_end, own_source, own_row = _own_rows(selection, kv_heads, own_len)
+        own_start, own_end, own_source, own_row = _own_rows(selection, kv_heads, own_len, query_start)
         if P > 0:
-            past_start, past_end, past_source, past_row = _past_rows(selection, kv_heads, own_len, past_len, Bq)
+            past_start, past_end, past_source, past_row = _past_rows(selection, kv_heads, own_len, past_len, Bq, T)
             key_start = torch.cat([own_start, past_start], 2)
             key_end = torch.cat([own_end, past_end], 2)
             source = torch.cat([own_source, past_source], 2)
@@ -263,10 +275,10 @@ def plan_from_selection(selection: Selection, kv_heads: int, *, block_size: int 
         starts, ends = key_start[..., None], key_end[..., None]
         if sink:
             used = key_end > 0
-            starts = torch.cat([starts, torch.where(used, S, 0)[..., None]], -1)
-            ends = torch.cat([ends, torch.where(used, S + 1, 0)[..., None]], -1)
-        kv_len = S + int(sink)
-        mask_mod = _interval_mask_mod(key_start, key_end, S if sink else None)
+            starts = torch.cat([starts, torch.where(used, T, 0)[..., None]], -1)
+            ends = torch.cat([ends, torch.where(used, T + 1, 0)[..., None]], -1)
+        kv_len = T + int(sink)
+        mask_mod = _interval_mask_mod(key_start, key_end, T if sink else None)
         tables = interval_block_tables(starts, ends, (Bq, Bk), kv_len)
         block_mask = BlockMask.from_kv_blocks(
             *tables, BLOCK_SIZE=(Bq, Bk), mask_mod=mask_mod, seq_lengths=(key_start.shape[-1], kv_len),
@@ -278,9 +290,10 @@ def _sink_scores(plan: MoBAFlexPlan, virtual_q: torch.Tensor, q: torch.Tensor, k
                  scale: float) -> torch.Tensor:
     """``[B, H_kv, L]`` fp32 sink score per virtual row: the diagonal score ``q_t . k_t`` of
     own rows (``p <= 1/2``), the score against the chunk's mean key for past rows (``p <= 1/(C+1)``)."""
-    B, H_kv, S, D = k.shape
-    G = q.shape[1] // H_kv
-    diagonal = (q.float().view(B, H_kv, G, S, D) * k.float()[:, :, None]).sum(-1)  # [B, H_kv, G, S]
+    B, H_kv, _, D = k.shape
+    G, S = q.shape[1] // H_kv, q.shape[2]
+    own_keys = k[:, :, k.shape[2] - S:]  # the queries' own positions: the last S keys
+    diagonal = (q.float().view(B, H_kv, G, S, D) * own_keys.float()[:, :, None]).sum(-1)  # [B, H_kv, G, S]
     own = F.pad(diagonal, (0, plan.own_len // G - S)).view(B, H_kv, plan.own_len)
     Bq = plan.block_mask.BLOCK_SIZE[0]
     start = plan.key_start[:, :, plan.own_len::Bq]  # [B, H_kv, n_blocks]: past blocks read one chunk each

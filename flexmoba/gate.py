@@ -137,13 +137,15 @@ def scores_against_means(rows: torch.Tensor, means: torch.Tensor) -> torch.Tenso
     return scores.view(B, H, R, N)
 
 
-def gate_scores(rows: torch.Tensor, k: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
+def gate_scores(rows: torch.Tensor, k: torch.Tensor, layout: ChunkLayout,
+                key_layout: ChunkLayout | None = None) -> torch.Tensor:
     """``rows: [B, H, R, D]`` -> ``[B, H, R, n_chunks]`` fp32: row . mean key of each chunk of its document.
 
-    With documents, rows are tokens (R = S).
+    With documents, rows are tokens (R = S). ``key_layout``: the layout of k's positions when
+    it is not ``layout`` (queries that are a slice of the keys' positions).
     """
     B, H, R, D = rows.shape
-    scores = scores_against_means(rows, chunk_means(k, layout))
+    scores = scores_against_means(rows, chunk_means(k, layout if key_layout is None else key_layout))
     if not layout.has_documents:
         return scores
     # Rebase global chunk indices on each query's own document.

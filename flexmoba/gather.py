@@ -75,16 +75,12 @@ class PastPairs:
     slots_per_query: int
 
 
-def _global_chunk_starts(layout) -> torch.Tensor:
-    """``[B, n_global_chunks]`` first position of each global chunk of each row."""
-    B, S = layout.global_chunk.shape
-    positions = torch.arange(S, device=layout.global_chunk.device).expand(B, S)
-    starts = torch.full((B, layout.n_global_chunks), S, dtype=torch.long, device=positions.device)
-    return starts.scatter_reduce(1, layout.global_chunk, positions, reduce="amin")
-
-
 def past_pairs(selection: Selection, kv_heads: int) -> PastPairs:
-    """Sort the selected past pairs by (KV row, global chunk); one host read sizes the segments."""
+    """Sort the selected past pairs by (KV row, global chunk); one host read sizes the segments.
+
+    Segment starts are the chunks' key positions (``layout.doc_start`` is in key positions, so
+    queries may sit at an offset of longer keys, as in :mod:`flexmoba.context_parallel`).
+    """
     layout = selection.layout
     B, H, S, P = selection.past_chunks.shape
     n_global = layout.n_global_chunks
@@ -98,12 +94,11 @@ def past_pairs(selection: Selection, kv_heads: int) -> PastPairs:
     bucket = torch.where(selection.past_valid, kv_row * n_global + global_chunk, n_buckets).to(dtype).flatten()
     counts = torch.bincount(bucket.long(), minlength=n_buckets + 1)[:n_buckets]
     slot = torch.argsort(bucket, stable=True)
-    starts = _global_chunk_starts(layout).flatten()
+    start = layout.doc_start[:, None, :, None] + selection.past_chunks * layout.chunk_size  # [B, H, S, P]
+    starts = torch.zeros(n_buckets + 1, dtype=torch.long, device=device).scatter_(0, bucket.long(), start.flatten())
     used = counts.nonzero().squeeze(1)
     segments, offset = [], 0
-    for b, count, start in zip(used.tolist(), counts[used].tolist(),
-                               starts[used // (kv_heads * n_global) * n_global + used % n_global].tolist(),
-                               strict=True):
+    for b, count, start in zip(used.tolist(), counts[used].tolist(), starts[used].tolist(), strict=True):
         segments.append(Segment(offset, count, b // n_global, start, layout.chunk_size))
         offset += count
     slot = slot[:offset]
@@ -213,13 +208,26 @@ def _unchunk(x: torch.Tensor, B: int, H: int, S: int) -> torch.Tensor:
     return x.reshape(B, H, -1, *x.shape[3:])[:, :, :S]
 
 
+def _embed_keys(d_own: torch.Tensor, like: torch.Tensor, key_offset: int) -> torch.Tensor:
+    """Gradient ``[B, H_kv, S, D]`` of keys ``[key_offset, key_offset + S)`` as one of all keys ``like``."""
+    if d_own.shape == like.shape:
+        return d_own
+    full = torch.zeros_like(like)
+    full.narrow(2, key_offset, d_own.shape[2]).copy_(d_own)
+    return full
+
+
 class _GatheredMoBA(torch.autograd.Function):
+    """``q: [B, H, S, D]`` over ``k, v: [B, H_kv, T, D]``, T >= S; the queries' own chunks lie in
+    keys ``[key_offset, key_offset + S)`` (0 and T = S unless queries sit at the end of longer keys)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, pairs: PastPairs, own: list[Segment] | None, chunk: int, scale: float, block: int):
+    def forward(ctx, q, k, v, pairs: PastPairs, own: list[Segment] | None, chunk: int, scale: float, block: int,
+                key_offset: int = 0):
         B, H, S, D = q.shape
         H_kv, Dv = k.shape[1], v.shape[-1]
-        own_out, own_lse = _own_forward(q, k, v, own, chunk, scale)
-        q_rows, k_rows, v_rows = q.reshape(-1, D), k.reshape(B * H_kv, S, D), v.reshape(B * H_kv, S, Dv)
+        own_out, own_lse = _own_forward(q, k.narrow(2, key_offset, S), v.narrow(2, key_offset, S), own, chunk, scale)
+        q_rows, k_rows, v_rows = q.reshape(-1, D), k.reshape(B * H_kv, -1, D), v.reshape(B * H_kv, -1, Dv)
         pair_q = q_rows[pairs.query]
         P = pairs.slots_per_query
         slot_out = q.new_zeros(B * H * S * P, Dv)
@@ -233,6 +241,7 @@ class _GatheredMoBA(torch.autograd.Function):
         out = out.view(B, H, S, Dv)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.pairs, ctx.own, ctx.chunk, ctx.scale, ctx.block = pairs, own, chunk, scale, block
+        ctx.key_offset = key_offset
         return out
 
     @staticmethod
@@ -242,9 +251,11 @@ class _GatheredMoBA(torch.autograd.Function):
         H_kv, Dv = k.shape[1], v.shape[-1]
         pairs, scale = ctx.pairs, ctx.scale
         grad_out = grad_out.contiguous()
-        dq, dk, dv = _own_backward(grad_out, q, k, v, out, lse.view(B, H, S), ctx.own, ctx.chunk, scale)
-        q_rows, k_rows, v_rows = q.reshape(-1, D), k.reshape(B * H_kv, S, D), v.reshape(B * H_kv, S, Dv)
-        dk_rows, dv_rows = dk.view(B * H_kv, S, D), dv.view(B * H_kv, S, Dv)
+        k_own, v_own = k.narrow(2, ctx.key_offset, S), v.narrow(2, ctx.key_offset, S)
+        dq, dk, dv = _own_backward(grad_out, q, k_own, v_own, out, lse.view(B, H, S), ctx.own, ctx.chunk, scale)
+        dk, dv = _embed_keys(dk, k, ctx.key_offset), _embed_keys(dv, v, ctx.key_offset)
+        q_rows, k_rows, v_rows = q.reshape(-1, D), k.reshape(B * H_kv, -1, D), v.reshape(B * H_kv, -1, Dv)
+        dk_rows, dv_rows = dk.view(B * H_kv, -1, D), dv.view(B * H_kv, -1, Dv)
         index = pairs.query
         pair_grad, pair_q = grad_out.reshape(-1, Dv)[index], q_rows[index]
         pair_out, pair_lse = out.reshape(-1, Dv)[index], lse[index]
@@ -257,7 +268,7 @@ class _GatheredMoBA(torch.autograd.Function):
             dk_rows[seg.kv_row, keys] += dk_s
             dv_rows[seg.kv_row, keys] += dv_s
         dq.view(-1, D).index_add_(0, index, pair_dq)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def _keys(k_rows, v_rows, seg: Segment):

@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flexmoba.attention import moba_attention
+from flexmoba.context_parallel import ContextParallel, context_parallel_attention
 from flexmoba.decode import dense_decode_attention, moba_decode_attention
 from flexmoba.kv_cache import MoBAKVCache
 from flexmoba.layout import ChunkLayout, chunk_layout
@@ -171,6 +172,7 @@ class CausalSelfAttention(nn.Module):
         self.config = config
         self.kind = kind
         self.override: str | None = None  # set by GPT.set_attention_override
+        self.context_parallel: ContextParallel | None = None  # set by GPT.set_context_parallel
         C, D = config.d_model, config.head_dim
         self.wq = nn.Linear(C, config.n_heads * D, bias=False)
         self.wk = nn.Linear(C, config.n_kv_heads * D, bias=False)
@@ -201,6 +203,9 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x, cos, sin)
         if cache is not None:
             y = self._attend_cached(q, k, v, cache)
+        elif self.context_parallel is not None:
+            spec = cfg.moba if self.active_kind == "moba" else None
+            y = context_parallel_attention(q, k, v, self.context_parallel, spec)
         elif self.active_kind == "moba":
             y = moba_attention(q, k, v, cfg.moba, layout=layout)
         else:
@@ -284,6 +289,16 @@ class GPT(nn.Module):
     def attention_override(self) -> str | None:
         return self.blocks[0].attn.override
 
+    @property
+    def context_parallel(self) -> ContextParallel | None:
+        return self.blocks[0].attn.context_parallel
+
+    def set_context_parallel(self, cp: ContextParallel | None) -> None:
+        """Split every sequence over ``cp``'s ranks (``None``: one process holds it all): ``forward``
+        then takes this rank's slice of the tokens, ``[B, S / n]``, at its global positions."""
+        for block in self.blocks:
+            block.attn.context_parallel = cp if cp is not None and cp.size > 1 else None
+
     def forward(self, tokens: torch.Tensor, caches: list[MoBAKVCache] | None = None) -> torch.Tensor:
         """``tokens: [B, S]`` int -> logits ``[B, S, V]``.
 
@@ -294,7 +309,13 @@ class GPT(nn.Module):
             raise ValueError(f"tokens must be [B, S], got shape {tuple(tokens.shape)}")
         cfg = self.config
         B, S = tokens.shape
+        cp = self.context_parallel
+        if cp is not None and caches:
+            raise ValueError("decoding with KV caches is not supported under context parallelism; "
+                             "call set_context_parallel(None) on a model that holds whole sequences")
         past = caches[0].length if caches else 0
+        if cp is not None:
+            past, _ = cp.local_range(S * cp.size)  # this rank's first global position
         cos, sin = rope_tables(past + S, cfg.head_dim, cfg.rope_base, tokens.device)
         cos, sin = cos[past:], sin[past:]
         layout = None if caches else chunk_layout(B, S, cfg.moba.chunk_size, tokens.device)  # shared by all layers

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from lit.training.context_parallel import MeshRanks, SequenceSlice, mesh_ranks
 from lit.training.metrics import IGNORE_INDEX
 
 PAD_TOKEN = 0  # input filler after a short document ends; its targets are IGNORE_INDEX
@@ -314,8 +315,9 @@ class ResumableSampler(DistributedSampler):
     as an uninterrupted one. ``__len__`` stays the full epoch, as Lightning expects.
     """
 
-    def __init__(self, dataset: Dataset, *, shuffle: bool, seed: int, drop_last: bool = False):
-        world, rank = world_and_rank()
+    def __init__(self, dataset: Dataset, *, shuffle: bool, seed: int, drop_last: bool = False,
+                 ranks: MeshRanks | None = None):
+        world, rank = world_and_rank() if ranks is None else (ranks.dp_size, ranks.dp_rank)
         super().__init__(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self.skip: tuple[int, int] | None = None  # (epoch, samples of this rank to skip)
 
@@ -332,8 +334,8 @@ class EvalSampler(DistributedSampler):
     and DDP metrics equal single-process ones.
     """
 
-    def __init__(self, dataset: Dataset):
-        world, rank = world_and_rank()
+    def __init__(self, dataset: Dataset, ranks: MeshRanks | None = None):
+        world, rank = world_and_rank() if ranks is None else (ranks.dp_size, ranks.dp_rank)
         super().__init__(dataset, num_replicas=world, rank=rank, shuffle=False)
 
     def __iter__(self):
@@ -517,19 +519,29 @@ class ByteFilesData(L.LightningDataModule):
 
     # -- loaders ------------------------------------------------------------------------
 
+    def _mesh(self) -> tuple[MeshRanks, dict]:
+        """This process's place in the mesh, and the collate function giving it its slice of each
+        sequence (under context parallelism, every rank of a group loads the same sequences)."""
+        ranks = mesh_ranks(getattr(self, "trainer", None))
+        if ranks.cp_size == 1:
+            return ranks, {}
+        return ranks, {"collate_fn": SequenceSlice(*ranks.sequence_slice(self.seq_len))}
+
     def train_dataloader(self) -> DataLoader:
-        sampler = ResumableSampler(self.datasets["train"], shuffle=True, seed=self.seed, drop_last=True)
+        ranks, collate = self._mesh()
+        sampler = ResumableSampler(self.datasets["train"], shuffle=True, seed=self.seed, drop_last=True, ranks=ranks)
         if self._resume is not None:
             sampler.skip = (self._resume["epoch"], self._resume["batches"] * self.batch_size)
             self._resume = None
         self._train_sampler = sampler
         return DataLoader(self.datasets["train"], batch_size=self.batch_size, sampler=sampler, drop_last=True,
-                          num_workers=self.num_workers)
+                          num_workers=self.num_workers, **collate)
 
     def _eval_loader(self, split: str) -> DataLoader:
         dataset = self.datasets[split] if len(self.datasets[split]) else self.datasets["val"]
-        return DataLoader(dataset, batch_size=self.batch_size, sampler=EvalSampler(dataset),
-                          num_workers=self.num_workers)
+        ranks, collate = self._mesh()
+        return DataLoader(dataset, batch_size=self.batch_size, sampler=EvalSampler(dataset, ranks),
+                          num_workers=self.num_workers, **collate)
 
     def val_dataloader(self) -> DataLoader:
         return self._eval_loader("val")

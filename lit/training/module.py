@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from flexmoba.model import GPT, ModelConfig
 from lit.training import metric_names as names
+from lit.training.context_parallel import MESH_DIMS, context_parallel_group, gather_positions, group_sum
 from lit.training.grad_norm import step_grad_norm
 from lit.training.metrics import IGNORE_INDEX, TokenMeanLoss, WindowedLoss, position_windows
 from lit.training.metrics import trailing_window as trailing_positions
@@ -100,9 +101,14 @@ class LitLM(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         token_loss, targets = self.token_losses(batch)
-        n_tokens = (targets != IGNORE_INDEX).sum()
-        loss = token_loss.sum() / n_tokens.clamp(min=1)
-        self.log(names.loss("train"), loss, prog_bar=True)
+        cp = self.model.context_parallel
+        n_tokens = group_sum((targets != IGNORE_INDEX).sum(), cp).clamp(min=1)  # of the whole sequences
+        loss = token_loss.sum() / n_tokens  # this rank's share of its group's mean
+        # The whole batch's loss on every mesh (data-parallel groups averaged), not this rank's share.
+        on_mesh = self.device_mesh is not None and self.device_mesh.mesh_dim_names == MESH_DIMS
+        self.log(names.loss("train"), group_sum(loss, cp), prog_bar=True, sync_dist=on_mesh)
+        if cp is not None:
+            loss = loss * cp.size  # FSDP2 averages the gradients over every rank, context-parallel ones too
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         self.log("train/moba_layers", float(self.model.layer_attention().count("moba")))
         return loss
@@ -121,11 +127,13 @@ class LitLM(L.LightningModule):
         """FLOPs of the latest batch on this device by the model's count (forward and backward when
         training, forward only otherwise), remembered per batch shape, stage and layer kinds;
         the throughput monitor turns it into FLOP/s and MFU."""
-        key = (self.batch_shape, self.trainer.training, tuple(self.model.layer_attention()))
+        cp = self.model.context_parallel
+        ranks = 1 if cp is None else cp.size
+        key = (self.batch_shape, self.trainer.training, tuple(self.model.layer_attention()), ranks)
         if key not in self._flops_per_batch:
-            (batch, seq_len), training, kinds = key
-            per_token = self.config.flops_per_token(seq_len, list(kinds), training=training)
-            self._flops_per_batch[key] = per_token * batch * seq_len
+            (batch, seq_len), training, kinds, _ = key
+            per_token = self.config.flops_per_token(seq_len * ranks, list(kinds), training=training)
+            self._flops_per_batch[key] = per_token * batch * seq_len  # this rank's share of whole sequences
         return self._flops_per_batch[key]
 
     def configure_callbacks(self) -> list[L.Callback]:
@@ -138,6 +146,11 @@ class LitLM(L.LightningModule):
 
     def _eval_step(self, batch, stage: str) -> None:
         token_loss, targets = self.token_losses(batch)
+        cp = self.model.context_parallel
+        if cp is not None:  # whole sequences, counted once: by the group's first rank
+            token_loss, targets = gather_positions(token_loss, cp), gather_positions(targets, cp)
+            if cp.rank != 0:
+                return
         self.metrics[f"{stage}_loss"].update(token_loss, targets)
         self.metrics[f"{stage}_windows"].update(token_loss, targets)
         self.metrics[f"{stage}_trailing"].update(token_loss, targets)
@@ -194,11 +207,21 @@ class LitLM(L.LightningModule):
 
     def shard_fsdp2(self) -> None:
         """Under ``ModelParallelStrategy`` (``configs/fsdp2.yaml``), shard the model with FSDP2:
-        ``fully_shard`` each block, then the root (embeddings, final norm, head). No-op otherwise."""
+        ``fully_shard`` each block, then the root (embeddings, final norm, head). No-op otherwise.
+
+        Under ``ContextParallelStrategy`` (``configs/cp2.yaml``) the shards span every rank (the
+        flattened data x context mesh), and the model splits each sequence over its group."""
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
         mesh = self.device_mesh
         if mesh is None or isinstance(self.model, FSDPModule):  # not model parallel, or sharded already
+            return
+        if mesh.mesh_dim_names == MESH_DIMS:
+            self.model.set_context_parallel(context_parallel_group(mesh))
+            data_mesh = mesh._flatten("data_context_parallel")
+            for block in self.model.blocks:
+                fully_shard(block, mesh=data_mesh)
+            fully_shard(self.model, mesh=data_mesh)
             return
         if mesh["tensor_parallel"].size() != 1:
             raise ValueError(f"FSDP2 shards over data parallelism only: set the strategy's tensor_parallel_size: 1 "

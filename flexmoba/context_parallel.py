@@ -1,0 +1,458 @@
+"""Context parallelism: MoBA and full attention over sequences split across processes.
+
+Each rank of a context-parallel group of ``n`` holds one contiguous slice of every sequence,
+positions ``[r S / n, (r + 1) S / n)``: its queries, keys and values. Keys and values are
+all-gathered along the sequence (``torch.distributed.nn.functional.all_gather``: its backward
+reduce-scatters their gradients); queries stay local and keep their global positions, so RoPE,
+chunks, document starts and the causal rule are the global ones.
+
+The core needs no process group. Local queries at ``query_start`` are gated against the
+chunk means of all keys, and attend keys ``[0, query_start + S_local)`` (later keys are in
+the future of every local query):
+
+- ``gather``: past chunks are whole and read from the gathered keys; the own chunk runs on the
+  local keys, causal; an own chunk that starts on an earlier rank (a document or a chunk
+  crossing the rank boundary) adds its earlier part as one more non-causal part, and the
+  parts merge by log-sum-exp (:mod:`flexmoba.gather`).
+- ``flex``: the regrouped plan with every virtual row's key interval in global positions
+  (:func:`flexmoba.flex_plan.plan_from_selection` with ``query_start``).
+- ``sdpa``: the mask ``[B, H, S_local, query_start + S_local]``, made dense.
+
+Full attention: local queries over keys ``[0, query_start)`` (no mask) and the local keys
+(causal), merged by log-sum-exp; with documents or off CPU through a mask.
+
+A MoBA query attends at most ``top_k`` chunks wherever it sits, so a contiguous split is
+balanced except for the first ``top_k - 1`` chunks (see :func:`attended_pairs_per_rank`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask
+
+from flexmoba import validation
+from flexmoba.backends import needs_grad
+from flexmoba.compiled_flex import active_flex_attention, custom_flex_attention, flex_trains_on, needs_sink
+from flexmoba.flex_plan import plan_from_selection
+from flexmoba.gate import Selection, gate_rows, gate_scores, select_past_chunks
+from flexmoba.gather import (
+    QUERY_BLOCK,
+    PastPairs,
+    Segment,
+    _GatheredMoBA,
+    dense_attention,
+    dense_attention_backward,
+    own_segments,
+    past_pairs,
+)
+from flexmoba.layout import ChunkLayout, chunk_layout, document_starts
+from flexmoba.spec import MobaSpec
+
+__all__ = [
+    "ContextParallel",
+    "attended_pairs_per_rank",
+    "context_parallel_attention",
+    "gather_sequence",
+    "local_causal_attention",
+    "local_moba_attention",
+    "local_moba_selection",
+    "sequence_slice",
+    "shard_sequence",
+]
+
+LOCAL_BACKENDS = ("gather", "flex", "sdpa")
+
+
+# -- the group and its slices -----------------------------------------------------------
+
+
+def sequence_slice(seq_len: int, rank: int, size: int) -> tuple[int, int]:
+    """``[start, stop)`` of the positions rank ``rank`` of ``size`` holds of a ``seq_len`` sequence."""
+    seq_len = validation.check_positive_int(seq_len, "seq_len")
+    size = validation.check_positive_int(size, "context_parallel_size")
+    if not 0 <= rank < size:
+        raise ValueError(f"rank must be in [0, context_parallel_size={size}), got {rank}")
+    if seq_len % size:
+        raise ValueError(f"seq_len={seq_len} must be divisible by context_parallel_size={size} "
+                         "(each rank holds seq_len / context_parallel_size positions)")
+    local = seq_len // size
+    return rank * local, (rank + 1) * local
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """A context-parallel group: ``size`` ranks, this process's ``rank`` in it, and the
+    ``torch.distributed`` process group (``None``: the default group)."""
+
+    rank: int
+    size: int
+    group: object | None = None
+
+    @classmethod
+    def of(cls, group=None) -> ContextParallel:
+        """The group ``group`` (default: the whole world) as seen by this process."""
+        return cls(dist.get_rank(group), dist.get_world_size(group), group)
+
+    def local_range(self, seq_len: int) -> tuple[int, int]:
+        """``[start, stop)`` of this rank's positions of a ``seq_len`` sequence."""
+        return sequence_slice(seq_len, self.rank, self.size)
+
+
+def shard_sequence(x: torch.Tensor, cp: ContextParallel, dim: int = 2) -> torch.Tensor:
+    """This rank's slice of ``x`` along ``dim`` (``2`` for ``[B, H, S, D]``, ``1`` for ``[B, S]``)."""
+    start, stop = cp.local_range(x.shape[dim])
+    return x.narrow(dim, start, stop - start)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along ``dim`` forward; reduce-scatter (sum) of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, dim: int, group):
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        ctx.dim, ctx.group = dim, group
+        return torch.cat(parts, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        parts = [part.contiguous() for part in grad.chunk(dist.get_world_size(ctx.group), ctx.dim)]
+        mine = torch.empty_like(parts[0])
+        if dist.get_backend(ctx.group) == dist.Backend.NCCL:
+            dist.reduce_scatter(mine, parts, group=ctx.group)
+        else:  # gloo has no reduce-scatter: sum everywhere, keep this rank's slice
+            total = torch.stack(parts)
+            dist.all_reduce(total, group=ctx.group)
+            mine = total[dist.get_rank(ctx.group)]
+        return mine, None, None
+
+
+def gather_sequence(x: torch.Tensor, cp: ContextParallel, dim: int = 2) -> torch.Tensor:
+    """All ranks' slices of ``x`` joined along ``dim``: ``[B, H, S / n, D]`` -> ``[B, H, S, D]``.
+
+    Differentiable: each slice's gradient is the sum over ranks of the joined tensor's gradient
+    there (a reduce-scatter; on gloo, which has none, an all-reduce).
+    """
+    if cp.size == 1:
+        return x
+    return _GatherSequence.apply(x, dim, cp.group)
+
+
+# -- MoBA for local queries ------------------------------------------------------------
+
+
+def _check_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, query_start: int) -> None:
+    """``q: [B, H, S, D]`` at ``[query_start, query_start + S)`` of ``k, v: [B, H_kv, T, D]``."""
+    validation.check_tensor(q, "q", 4)
+    validation.check_tensor(k, "k", 4)
+    if isinstance(query_start, bool) or not isinstance(query_start, int) or query_start < 0:
+        raise ValueError(f"query_start must be an int >= 0, got {query_start!r}")
+    T = k.shape[2]
+    if query_start + q.shape[2] > T:
+        raise ValueError(f"queries [{query_start}, {query_start + q.shape[2]}) reach past the {T} keys of k")
+    validation.check_qk(q, k[:, :, query_start:query_start + q.shape[2]])
+    if v is not None:
+        validation.check_qkv(q, k[:, :, query_start:query_start + q.shape[2]],
+                             v[:, :, query_start:query_start + q.shape[2]])
+        if v.shape[2] != T:
+            raise ValueError(f"v must have the {T} positions of k, got {tuple(v.shape)}")
+
+
+def layout_rows(layout: ChunkLayout, start: int, length: int) -> ChunkLayout:
+    """The layout of positions ``[start, start + length)`` of ``layout``'s rows (chunk indices unchanged)."""
+    cut = lambda x: x[:, start:start + length].contiguous()  # noqa: E731
+    return dataclasses.replace(layout, doc_start=cut(layout.doc_start), local_chunk=cut(layout.local_chunk),
+                               global_chunk=cut(layout.global_chunk))
+
+
+def local_moba_selection(q: torch.Tensor, k: torch.Tensor, spec: MobaSpec, query_start: int,
+                         document_ids: torch.Tensor | None = None) -> Selection:
+    """MoBA's gate for queries ``q: [B, H, S, D]`` at positions ``[query_start, query_start + S)``
+    of keys ``k: [B, H_kv, T, D]`` (all positions ``[0, T)``; ``document_ids: [B, T]``).
+
+    The selection's layout holds the queries' rows (global positions, global chunk indices);
+    its chunk indices equal those of :func:`flexmoba.select_chunks` over the whole sequence.
+    """
+    _check_local(q, k, None, query_start)
+    if spec.granularity != "token":
+        raise ValueError(f"MobaSpec.granularity must be 'token' under context parallelism, got "
+                         f"{spec.granularity!r} (a tile may straddle ranks)")
+    B, H, S, _ = q.shape
+    T = k.shape[2]
+    if document_ids is not None:
+        validation.check_document_ids(document_ids, k)
+    key_layout = chunk_layout(B, T, spec.chunk_size, q.device, document_ids)
+    layout = layout_rows(key_layout, query_start, S)
+    with torch.no_grad():
+        rows, own, _ = gate_rows(q.detach(), layout, "token")
+        scores = gate_scores(rows, k.detach(), layout, key_layout=key_layout)
+        past_chunks, past_valid = select_past_chunks(scores, own, spec.top_k)
+    return Selection(past_chunks, past_valid, layout)
+
+
+def own_chunk_prefixes(selection: Selection, heads: int, kv_heads: int, query_start: int) -> PastPairs:
+    """The part before ``query_start`` of the local queries' own chunks, as non-causal pairs.
+
+    Only the first run of local queries can have it: those whose chunk started on an earlier
+    rank. One segment per (batch row, KV head) that has one.
+    """
+    layout = selection.layout
+    B, S = layout.global_chunk.shape
+    group = heads // kv_heads
+    run = (layout.global_chunk == layout.global_chunk[:, :1]).sum(1)  # [B] the first chunk's queries
+    starts = layout.chunk_start[:, 0]
+    queries, segments, offset = [], [], 0
+    for b, (start, count) in enumerate(zip(starts.tolist(), run.tolist(), strict=True)):
+        if start >= query_start:
+            continue
+        for g in range(kv_heads):
+            rows = (b * heads + g * group + torch.arange(group, device=layout.global_chunk.device))[:, None]
+            queries.append((rows * S + torch.arange(count, device=rows.device)).flatten())
+            segments.append(Segment(offset, group * count, b * kv_heads + g, start, query_start - start))
+            offset += group * count
+    empty = torch.zeros(0, dtype=torch.long, device=layout.global_chunk.device)
+    query = torch.cat(queries) if queries else empty
+    return PastPairs(query, query, segments, 1)  # one slot per query: its own chunk's prefix
+
+
+def join_pairs(first: PastPairs, second: PastPairs) -> PastPairs:
+    """Both pair lists in one, ``second``'s segments after ``first``'s and its slots after
+    ``first``'s in each query's row of slots."""
+    shift = len(first.query)
+    moved = [dataclasses.replace(seg, offset=seg.offset + shift) for seg in second.segments]
+    n_first, n_second = first.slots_per_query, second.slots_per_query
+    slots = n_first + n_second
+    slot = torch.cat([first.query * slots + first.slot % max(n_first, 1),
+                      second.query * slots + n_first + second.slot % max(n_second, 1)])
+    return PastPairs(slot, torch.cat([first.query, second.query]), first.segments + moved, slots)
+
+
+def local_gather(q, k, v, selection: Selection, scale: float, query_start: int) -> torch.Tensor:
+    """The gather backend for local queries: ``q: [B, H, S, D]``, ``k, v: [B, H_kv, query_start + S, D]``."""
+    layout = selection.layout
+    H, H_kv = q.shape[1], k.shape[1]
+    with torch.no_grad():
+        pairs = past_pairs(selection, H_kv)
+        pairs = join_pairs(pairs, own_chunk_prefixes(selection, H, H_kv, query_start))
+        on_grid = not layout.has_documents and query_start % layout.chunk_size == 0
+        own = None if on_grid else own_segments(selection, H, H_kv)
+    return _GatheredMoBA.apply(q, k, v, pairs, own, layout.chunk_size, scale, QUERY_BLOCK, query_start)
+
+
+def local_dense_mask(selection: Selection, query_start: int, key_len: int) -> torch.Tensor:
+    """``[B, H, S, key_len]`` bool: key s is attended by local query t iff it lies in t's
+    document up to t and in a chunk t selected."""
+    layout = selection.layout
+    B, H, S, n_chunks = selection.chunks.shape
+    t = query_start + torch.arange(S, device=layout.doc_start.device)
+    s = torch.arange(key_len, device=t.device)
+    offset = s[None, None, :] - layout.doc_start[:, :, None]  # [B, S, T] from the query's document start
+    visible = (offset >= 0) & (s[None, None, :] <= t[None, :, None])
+    chunk = (offset.clamp(min=0) // layout.chunk_size).clamp(max=n_chunks - 1)
+    selected = selection.chunks.gather(-1, chunk[:, None].expand(B, H, S, key_len))
+    return selected & visible[:, None]
+
+
+def local_sdpa(q, k, v, selection: Selection, scale: float, query_start: int) -> torch.Tensor:
+    mask = local_dense_mask(selection, query_start, k.shape[2])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def local_flex(q, k, v, selection: Selection, scale: float, query_start: int) -> torch.Tensor:
+    if not flex_trains_on(q.device) and needs_grad(q, k, v):
+        raise ValueError("backend='flex' cannot compute gradients on CPU (FlexAttention has no CPU backward); "
+                         "use backend='gather' or 'auto', or call under torch.no_grad()")
+    plan = plan_from_selection(selection, k.shape[1], sink=needs_sink(q.device),
+                               compute_q_blocks=needs_grad(q, k, v), query_start=query_start)
+    return plan.attention(q, k, v, scale=scale)
+
+
+_LOCAL = {"gather": local_gather, "flex": local_flex, "sdpa": local_sdpa}
+
+
+def local_backend(spec: MobaSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """The backend for local queries: ``auto`` is ``flex`` off CPU, ``gather`` on CPU (exact at any
+    length; the dense mask would be ``[S / n, S]``); only the built-in ``gather``, ``flex`` and
+    ``sdpa`` know query offsets."""
+    if spec.backend == "auto":
+        return "gather" if q.device.type == "cpu" else "flex"
+    name = spec.backend
+    if name not in LOCAL_BACKENDS:
+        raise ValueError(f"MobaSpec.backend={spec.backend!r} has no context-parallel path; use one of "
+                         f"{('auto', *LOCAL_BACKENDS)}")
+    return name
+
+
+def local_moba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MobaSpec, query_start: int, *,
+                         document_ids: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    """MoBA of queries ``q: [B, H, S, D]`` at positions ``[query_start, query_start + S)`` over
+    ``k, v: [B, H_kv, T, D]``, all positions of the sequence (``document_ids: [B, T]``).
+
+    Equals rows ``[query_start, query_start + S)`` of :func:`flexmoba.moba_attention` over the
+    whole sequence, and so do the gradients (summed over the slices, for k and v).
+
+    Returns:
+        ``[B, H, S, Dv]`` in q's dtype.
+    """
+    _check_local(q, k, v, query_start)
+    scale = validation.softmax_scale(scale, q)
+    selection = local_moba_selection(q, k, spec, query_start, document_ids)
+    end = query_start + q.shape[2]
+    k_seen, v_seen = k[:, :, :end], v[:, :, :end]
+    return _LOCAL[local_backend(spec, q, k_seen, v_seen)](q, k_seen, v_seen, selection, scale, query_start)
+
+
+# -- full attention for local queries ---------------------------------------------------
+
+
+class _OffsetCausal(torch.autograd.Function):
+    """Causal attention of ``q: [B, H, S, D]`` at ``[o, o + S)`` over ``k, v: [B, H_kv, o + S, D]``:
+    keys ``[0, o)`` unmasked, the last S causal; two fused calls merged by log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, query_start: int, scale: float):
+        parts = _offset_causal_parts(q, k, v, query_start)
+        local = dense_attention(*parts["local"], True, scale)
+        if query_start == 0:
+            out, lse = local
+        else:
+            out, lse = _merge_two(local, _from_groups(dense_attention(*parts["past"], False, scale), q.shape))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.query_start, ctx.scale = query_start, scale
+        return out.reshape(q.shape[:3] + v.shape[-1:])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        B, H, S, D = q.shape
+        H_kv, Dv = k.shape[1], v.shape[-1]
+        G, o = H // H_kv, ctx.query_start
+        parts = _offset_causal_parts(q, k, v, o)
+        grad = grad_out.contiguous().view(B * H, 1, S, Dv)
+        dq, dk, dv = dense_attention_backward(grad, *parts["local"], out, lse, True, ctx.scale)
+        dk = dk.view(B, H_kv, G, S, D).sum(2)
+        dv = dv.view(B, H_kv, G, S, Dv).sum(2)
+        if o > 0:
+            as_groups = lambda x: x.reshape(B * H_kv, 1, G * S, x.shape[-1])  # noqa: E731
+            dq_p, dk_p, dv_p = dense_attention_backward(
+                as_groups(grad), *parts["past"], as_groups(out), lse.reshape(B * H_kv, 1, G * S), False, ctx.scale)
+            dq = dq + dq_p.view_as(dq)
+            dk = torch.cat([dk_p.view(B, H_kv, o, D), dk], 2)
+            dv = torch.cat([dv_p.view(B, H_kv, o, Dv), dv], 2)
+        return dq.view(B, H, S, D), dk, dv, None, None
+
+
+def _offset_causal_parts(q, k, v, query_start: int) -> dict[str, tuple[torch.Tensor, ...]]:
+    """``local``: ``(q, k, v)`` as ``[B * H, 1, S, D]`` (kv heads repeated); ``past``: q as
+    ``[B * H_kv, 1, G * S, D]`` (a KV group's heads share one call), keys ``[B * H_kv, 1, o, D]``."""
+    B, H, S, D = q.shape
+    H_kv = k.shape[1]
+    G = H // H_kv
+    o = query_start
+    local_keys = [x[:, :, o:].repeat_interleave(G, 1).reshape(B * H, 1, S, x.shape[-1]) for x in (k, v)]
+    parts = {"local": (q.reshape(B * H, 1, S, D), *local_keys)}
+    if o > 0:
+        parts["past"] = (q.reshape(B * H_kv, 1, G * S, D),
+                         *(x[:, :, :o].reshape(B * H_kv, 1, o, x.shape[-1]) for x in (k, v)))
+    return parts
+
+
+def _from_groups(part, q_shape):
+    """A KV-group call's ``(out [B * H_kv, 1, G * S, Dv], lse)`` as ``[B * H, 1, S, *]``."""
+    out, lse = part
+    B, H, S, _ = q_shape
+    return out.reshape(B * H, 1, S, out.shape[-1]), lse.reshape(B * H, 1, S)
+
+
+def _merge_two(a, b):
+    """Two parts ``(out, lse)`` of one softmax, merged by log-sum-exp."""
+    (out_a, lse_a), (out_b, lse_b) = a, b
+    lse = torch.logaddexp(lse_a, lse_b)
+    out = out_a.float() * torch.exp(lse_a - lse)[..., None] + out_b.float() * torch.exp(lse_b - lse)[..., None]
+    return out.to(out_a.dtype), lse
+
+
+def local_causal_mask(query_start: int, length: int, key_len: int, doc_start: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, length, key_len]`` bool: key s for the query at ``t = query_start + i`` iff
+    ``doc_start[b, i] <= s <= t`` (``doc_start: [B, length]``, the start of each query's document)."""
+    t = query_start + torch.arange(length, device=doc_start.device)
+    s = torch.arange(key_len, device=doc_start.device)
+    return ((s[None, None, :] <= t[None, :, None]) & (s[None, None, :] >= doc_start[:, :, None]))[:, None]
+
+
+def local_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start: int, *,
+                           document_ids: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    """Full causal attention of ``q: [B, H, S, D]`` at ``[query_start, query_start + S)`` over
+    ``k, v: [B, H_kv, T, D]`` (``document_ids: [B, T]``: nothing attends across documents).
+
+    On CPU without documents, two fused calls (O(S) memory); otherwise a dense
+    ``[S, query_start + S]`` mask, through flex off CPU.
+    """
+    _check_local(q, k, v, query_start)
+    scale = validation.softmax_scale(scale, q)
+    end = query_start + q.shape[2]
+    k_full, k, v = k, k[:, :, :end], v[:, :, :end]
+    fused = q.device.type == "cpu" and custom_flex_attention() is None
+    if document_ids is None and fused:
+        return _OffsetCausal.apply(q, k, v, query_start, scale)
+    if document_ids is None:
+        def causal(b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx + query_start
+
+        block_mask = create_block_mask(causal, None, None, q.shape[2], end, device=q.device)
+        return active_flex_attention()(q, k, v, block_mask=block_mask, scale=scale,
+                                       enable_gqa=q.shape[1] != k.shape[1])
+    validation.check_document_ids(document_ids, k_full)
+    mask = local_causal_mask(query_start, q.shape[2], end, document_starts(document_ids)[:, query_start:end])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+# -- over a process group ---------------------------------------------------------------
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel,
+                               spec: MobaSpec | None = None, *, document_ids: torch.Tensor | None = None,
+                               scale: float | None = None) -> torch.Tensor:
+    """Attention of this rank's slice: ``q: [B, H, S / n, D]``, ``k, v: [B, H_kv, S / n, D]``
+    -> ``[B, H, S / n, Dv]``; MoBA with ``spec``, full causal attention without.
+
+    ``document_ids``: ``[B, S]``, the whole sequence's (every rank passes the same).
+    Keys and values are all-gathered over ``cp``'s group; their gradients reduce-scattered back.
+    """
+    S = q.shape[2] * cp.size
+    query_start, _ = cp.local_range(S)
+    k_all, v_all = gather_sequence(k, cp), gather_sequence(v, cp)
+    if spec is None:
+        return local_causal_attention(q, k_all, v_all, query_start, document_ids=document_ids, scale=scale)
+    return local_moba_attention(q, k_all, v_all, spec, query_start, document_ids=document_ids, scale=scale)
+
+
+# -- load balance ------------------------------------------------------------------------
+
+
+def attended_pairs(selection: Selection, query_start: int = 0) -> int:
+    """(Query, key) pairs a selection attends: its own chunk up to the query, ``chunk_size``
+    keys per selected past chunk, summed over batch, heads and queries."""
+    layout = selection.layout
+    S = layout.doc_start.shape[1]
+    t = query_start + torch.arange(S, device=layout.doc_start.device)
+    own = (t - layout.chunk_start + 1).sum() * selection.chunks.shape[1]
+    return int(own) + int(selection.past_valid.sum()) * layout.chunk_size
+
+
+def attended_pairs_per_rank(q: torch.Tensor, k: torch.Tensor, spec: MobaSpec, size: int,
+                            document_ids: torch.Tensor | None = None) -> list[int]:
+    """Work of each of ``size`` ranks (attended pairs, :func:`attended_pairs`) for MoBA of
+    ``q: [B, H, S, D]`` over ``k``, each rank gating its contiguous slice of the queries."""
+    S = q.shape[2]
+    work = []
+    for rank in range(size):
+        start, stop = sequence_slice(S, rank, size)
+        selection = local_moba_selection(q[:, :, start:stop], k, spec, start, document_ids)
+        work.append(attended_pairs(selection, start))
+    return work
