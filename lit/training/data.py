@@ -223,10 +223,10 @@ class TokenCache:
     def exists(self) -> bool:
         return all(self.path(s).is_file() for s in self.suffixes())
 
-    def write_tokens(self, root: str, documents: list[tuple[str, int]], path: Path,
+    def write_tokens(self, root: str, documents: list[tuple[str, int]], tmp: dict[str, Path],
                      members: dict[str, list[str]] | None) -> np.ndarray:
-        """Write the documents' tokens to ``path``; return document offsets ``[n_docs + 1]``."""
-        return write_token_file(root, documents, path, members)
+        """Write the documents' tokens to ``tmp[".bin"]``; return document offsets ``[n_docs + 1]``."""
+        return write_token_file(root, documents, tmp[".bin"], members)
 
     def write_extras(self, tmp: dict[str, Path], manifest: dict) -> dict:
         """Write the sidecars of ``extra_suffixes`` to ``tmp`` (the token file is whole); return the manifest."""
@@ -237,7 +237,7 @@ class TokenCache:
         self.base.parent.mkdir(parents=True, exist_ok=True)
         tmp = {s: self.path(f".{os.getpid()}.tmp{s}") for s in self.suffixes()}
         files = [f for split in SPLITS for f in selected[split]]
-        offsets = self.write_tokens(root, files, tmp[".bin"], members)
+        offsets = self.write_tokens(root, files, tmp, members)
         np.save(tmp[".npy"], offsets)
         first_doc = np.cumsum([0] + [len(selected[split]) for split in SPLITS]).tolist()
         manifest = {**manifest, "documents": {s: first_doc[i : i + 2] for i, s in enumerate(SPLITS)},
