@@ -160,7 +160,7 @@ class LitLM(L.LightningModule):
 
     def bytes_per_token(self, stage: str) -> float:
         """Bytes a token stands for in the data of ``stage``: the data module's count, 1 for bytes."""
-        count = getattr(self.trainer.datamodule, "bytes_per_token", None)
+        count = getattr(getattr(self._trainer, "datamodule", None), "bytes_per_token", None)
         return 1.0 if count is None else count(stage)
 
     def validation_step(self, batch, batch_idx) -> None:

@@ -14,7 +14,7 @@ pytest.importorskip("tokenizers")
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 
 from lit.training.data import CorpusError, default_root, list_files  # noqa: E402
-from lit.training.launch import run_cli  # noqa: E402
+from lit.training.launch import read_config, run_cli  # noqa: E402
 from lit.training.tokenizer import TokenFilesData, token_dtype  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
@@ -136,6 +136,13 @@ def test_tokenizer_and_vocabulary_mismatches_are_one_line_errors(code, tmp_path,
         assert one_line_error(["fit", *fit_args(code, run, tmp_path / "cache", *extra)], capsys,
                               monkeypatch).startswith(start)
         assert not run.exists()  # refused before anything is built
+
+
+def test_the_model_vocabulary_follows_the_data(code, tmp_path):
+    words = word_level_tokenizer(tmp_path / "words.json", 500)
+    trained = read_config(fit_args(code, tmp_path / "run", tmp_path / "cache", "--data.vocab_size", "400"))
+    loaded = read_config(fit_args(code, tmp_path / "run", tmp_path / "cache", "--data.tokenizer", str(words)))
+    assert trained["model"]["config"]["vocab_size"] == 400 and loaded["model"]["config"]["vocab_size"] == 500
 
 
 @pytest.mark.slow
