@@ -2,6 +2,7 @@
 flowing into the model, bits per byte, and a 5-step run validated, exported and loaded in transformers."""
 
 import math
+import pickle
 import shutil
 import sys
 from pathlib import Path
@@ -59,6 +60,13 @@ def test_the_token_file_is_each_documents_ids_back_to_back(code, tmp_path):
     assert data.datasets["train"].tokens.dtype == np.uint16 and max(flat) < VOCAB
     inputs, targets = data.datasets["train"][0]
     assert inputs.tolist() == ids[0][:SEQ_LEN] and targets.tolist() == ids[0][1 : SEQ_LEN + 1]
+
+
+def test_token_datasets_pickle_by_file_name_with_their_dtype(code, tmp_path):
+    dataset = make(code, tmp_path, vocab_size=VOCAB).datasets["train"]
+    copy = pickle.loads(pickle.dumps(dataset))  # what a spawned DataLoader worker gets
+    assert isinstance(copy.tokens, np.memmap) and copy.tokens.dtype == np.uint16
+    assert torch.equal(copy[0][0], dataset[0][0])
 
 
 def test_bytes_per_token_counts_the_split(code, tmp_path):
