@@ -12,7 +12,10 @@ Load it with MoBA, its logits equal to the flexmoba model's (fp32)::
     model = AutoModelForCausalLM.from_pretrained("out/hf-moba", attn_implementation="flexmoba")
 
 A full-attention export also runs on any stock implementation (``"sdpa"``, ``"eager"``,
-``"flash_attention_2"``). Token ids are bytes; no tokenizer is written.
+``"flash_attention_2"``). A model trained on tokens (``lit.training.tokenizer.TokenFilesData``)
+gets its tokenizer beside the weights (``tokenizer.json``, ``tokenizer_config.json``: load it with
+``AutoTokenizer.from_pretrained(out)``), or the one ``--tokenizer`` names; a byte-level model's
+token ids are bytes, and no tokenizer is written.
 """
 
 from __future__ import annotations
@@ -25,26 +28,63 @@ import torch
 
 from flexmoba.checkpoint import load_model, read_checkpoint
 from flexmoba.integrations.export import to_llama
-from lit.cli.options import parse_dataclass
+from lit.cli.options import fail, parse_dataclass
 
 DEFAULT_MAX_POSITIONS = 4096
 WeightDtype = Literal["float32", "bfloat16", "float16"]
 
 
+class TokenizerMismatch(ValueError):
+    """The tokenizer to write cannot go with the checkpoint's model."""
+
+
+def checkpoint_tokenizer(checkpoint: dict) -> str | None:
+    """The tokenizer (its JSON) a token-level data module saved in the checkpoint, or None."""
+    for value in checkpoint.values():
+        if isinstance(value, dict) and isinstance(value.get("tokenizer_json"), str):
+            return value["tokenizer_json"]
+    return None
+
+
+def read_tokenizer(path: str | Path) -> str:
+    if not Path(path).is_file():
+        raise TokenizerMismatch(f"{path} is not a tokenizer.json file")
+    return Path(path).read_text()
+
+
+def write_tokenizer(tokenizer_json: str, vocab_size: int, out: Path) -> None:
+    """Save the tokenizer for ``transformers`` in ``out``; TokenizerMismatch if its ids exceed the model's."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        tokenizer = Tokenizer.from_str(tokenizer_json)
+    except Exception as error:  # tokenizers raises a bare Exception for text it cannot parse
+        raise TokenizerMismatch(f"not a Hugging Face tokenizers file: {' '.join(str(error).split())}") from None
+    if tokenizer.get_vocab_size() > vocab_size:
+        raise TokenizerMismatch(f"the tokenizer has {tokenizer.get_vocab_size()} tokens, more than the model's "
+                                f"vocab_size={vocab_size}")
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(out)
+
+
 def export_checkpoint(ckpt: str | Path, out: str | Path, max_position_embeddings: int | None = None,
-                      dtype: str = "float32") -> Path:
+                      dtype: str = "float32", tokenizer: str | Path | None = None) -> Path:
     """Write the ``LlamaForCausalLM`` of checkpoint ``ckpt`` to the folder ``out``; returns ``out``.
 
     ``max_position_embeddings`` defaults to the training ``seq_len`` the checkpoint records
     (or 4096): informational, RoPE runs at any length. ``dtype``: of the written weights
-    (the logits match the flexmoba model's in float32).
+    (the logits match the flexmoba model's in float32). ``tokenizer``: a ``tokenizer.json`` to write
+    instead of the checkpoint's own (TokenizerMismatch if its ids exceed the model's vocabulary).
     """
     checkpoint = read_checkpoint(ckpt)
     seq_len = checkpoint.get("hyper_parameters", {}).get("seq_len")
-    llama = to_llama(load_model(checkpoint), max_position_embeddings or seq_len or DEFAULT_MAX_POSITIONS)
-    llama = llama.to(getattr(torch, dtype))
+    model = load_model(checkpoint)
+    tokenizer_json = read_tokenizer(tokenizer) if tokenizer is not None else checkpoint_tokenizer(checkpoint)
     out = Path(out)
-    llama.save_pretrained(out)
+    if tokenizer_json is not None:
+        write_tokenizer(tokenizer_json, model.config.vocab_size, out)
+    llama = to_llama(model, max_position_embeddings or seq_len or DEFAULT_MAX_POSITIONS)
+    llama.to(getattr(torch, dtype)).save_pretrained(out)
     return out
 
 
@@ -57,17 +97,22 @@ class ExportJob:
         out: the folder to write the Hugging Face model to.
         max_position_embeddings: config.max_position_embeddings (default: the checkpoint's training seq_len).
         dtype: of the written weights.
+        tokenizer: a tokenizer.json to write beside the weights (default: the checkpoint's, if it has one).
     """
 
     ckpt: str
     out: str
     max_position_embeddings: int | None = None
     dtype: WeightDtype = "float32"
+    tokenizer: str | None = None
 
 
 def main(argv: list[str] | None = None) -> Path:
     job = parse_dataclass(ExportJob, argv, prog="flexmoba export-hf", description=__doc__)
-    out = export_checkpoint(job.ckpt, job.out, job.max_position_embeddings, job.dtype)
+    try:
+        out = export_checkpoint(job.ckpt, job.out, job.max_position_embeddings, job.dtype, job.tokenizer)
+    except TokenizerMismatch as error:
+        fail("flexmoba export-hf", f"{'--tokenizer' if job.tokenizer else '--ckpt'}: {error}")
     print(f"wrote a LlamaForCausalLM to {out} (load with attn_implementation='flexmoba' after "
           "flexmoba.integrations.transformers.register())")
     return out

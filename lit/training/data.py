@@ -209,33 +209,52 @@ class TokenCache:
     is renamed into place, the manifest last, so a reader sees a whole cache or none.
     """
 
+    dtype = np.uint8  # of the token file
+    extra_suffixes: tuple[str, ...] = ()  # sidecar files a subclass writes beside the tokens
+
     def __init__(self, cache_dir: str, stem: str):
         self.base = Path(cache_dir) / stem
 
     def path(self, suffix: str) -> Path:
         return self.base.with_name(self.base.name + suffix)
 
+    def suffixes(self) -> tuple[str, ...]:
+        return (".bin", ".npy", *self.extra_suffixes, ".json")
+
     def exists(self) -> bool:
-        return all(self.path(s).is_file() for s in (".bin", ".npy", ".json"))
+        return all(self.path(s).is_file() for s in self.suffixes())
+
+    def write_tokens(self, root: str, documents: list[tuple[str, int]], tmp: dict[str, Path],
+                     members: dict[str, list[str]] | None) -> np.ndarray:
+        """Write the documents' tokens to ``tmp[".bin"]``; return document offsets ``[n_docs + 1]``."""
+        return write_token_file(root, documents, tmp[".bin"], members)
+
+    def write_extras(self, tmp: dict[str, Path], manifest: dict) -> dict:
+        """Write the sidecars of ``extra_suffixes`` to ``tmp`` (the token file is whole); return the manifest."""
+        return manifest
 
     def write(self, root: str, selected: dict[str, list[tuple[str, int]]], manifest: dict,
               members: dict[str, list[str]] | None = None) -> None:
         self.base.parent.mkdir(parents=True, exist_ok=True)
-        tmp = {s: self.path(f".{os.getpid()}.tmp{s}") for s in (".bin", ".npy", ".json")}
+        tmp = {s: self.path(f".{os.getpid()}.tmp{s}") for s in self.suffixes()}
         files = [f for split in SPLITS for f in selected[split]]
-        offsets = write_token_file(root, files, tmp[".bin"], members)
+        offsets = self.write_tokens(root, files, tmp, members)
         np.save(tmp[".npy"], offsets)
         first_doc = np.cumsum([0] + [len(selected[split]) for split in SPLITS]).tolist()
         manifest = {**manifest, "documents": {s: first_doc[i : i + 2] for i, s in enumerate(SPLITS)},
                     "tokens": {s: int(offsets[first_doc[i + 1]] - offsets[first_doc[i]]) for i, s in enumerate(SPLITS)}}
+        manifest = self.write_extras(tmp, manifest)
         tmp[".json"].write_text(json.dumps(manifest, indent=2))
-        for suffix in (".bin", ".npy", ".json"):  # atomic renames, the manifest last
+        for suffix in self.suffixes():  # atomic renames, the manifest last
             os.replace(tmp[suffix], self.path(suffix))
+
+    def manifest(self) -> dict:
+        return json.loads(self.path(".json").read_text())
 
     def read(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """Each split's ``(tokens, offsets)``: tokens is the memory-mapped file, offsets index into it."""
-        documents = json.loads(self.path(".json").read_text())["documents"]
-        tokens = np.memmap(self.path(".bin"), dtype=np.uint8, mode="r")
+        documents = self.manifest()["documents"]
+        tokens = np.memmap(self.path(".bin"), dtype=self.dtype, mode="r")
         offsets = np.load(self.path(".npy"))
         return {split: (tokens, offsets[first : last + 1]) for split, (first, last) in documents.items()}
 
@@ -288,20 +307,21 @@ class ByteSequences(Dataset):
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         if isinstance(self.tokens, np.memmap):
-            state["tokens"] = MappedFile(self.tokens.filename)
+            state["tokens"] = MappedFile(self.tokens.filename, self.tokens.dtype.str)
         return state
 
     def __setstate__(self, state: dict) -> None:
         if isinstance(state["tokens"], MappedFile):
-            state["tokens"] = np.memmap(state["tokens"].filename, dtype=np.uint8, mode="r")
+            state["tokens"] = np.memmap(state["tokens"].filename, dtype=state["tokens"].dtype, mode="r")
         self.__dict__.update(state)
 
 
 class MappedFile:
     """A memory-mapped token file, by name (what a pickled :class:`ByteSequences` carries)."""
 
-    def __init__(self, filename: str):
+    def __init__(self, filename: str, dtype: str = "|u1"):
         self.filename = filename
+        self.dtype = dtype
 
 
 def world_and_rank() -> tuple[int, int]:
@@ -479,8 +499,11 @@ class ByteFilesData(L.LightningDataModule):
     def _cache(self) -> tuple[TokenCache, dict[str, list[tuple[str, int]]]]:
         selected = self._selected_files()
         self.fingerprint = self._fingerprint(selected)
-        stem = f"bytes-{self.fingerprint}-{source_key(self.root, selected, self.members)}"
-        return TokenCache(self.cache_dir, stem), selected
+        return self._token_cache(f"{self.fingerprint}-{source_key(self.root, selected, self.members)}"), selected
+
+    def _token_cache(self, key: str) -> TokenCache:
+        """The cache of this corpus; ``key`` names its fingerprint and where its files are."""
+        return TokenCache(self.cache_dir, f"bytes-{key}")
 
     def _fingerprint(self, selected: dict[str, list[tuple[str, int]]]) -> str:
         """Python sources (the default patterns) as before: with the Python version, which changes the

@@ -19,6 +19,7 @@ TensorBoard. ``predict`` writes ``<root>/predictions/predictions-rank<R>.jsonl``
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import logging
@@ -163,6 +164,32 @@ def config_problem(config: Namespace) -> str | None:
     return None
 
 
+def data_class(data: dict):
+    module, _, name = data["class_path"].rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def follow_data_vocabulary(config: Namespace) -> str | None:
+    """Set the model's ``vocab_size`` to the data's, for a data module with a vocabulary of its own
+    (``vocabulary_of(init_args)``, e.g. a tokenizer's); the problem, naming the option, if they differ."""
+    data = as_dict(config.get("data"))
+    vocabulary_of = getattr(data_class(data), "vocabulary_of", None) if data.get("class_path") else None
+    if vocabulary_of is None:
+        return None
+    try:
+        vocab = vocabulary_of(data.get("init_args", {}))
+    except CorpusError as error:
+        return f"--data.{error.option}: {error}"
+    fields = config["model"].get("config")
+    if fields is None:
+        config["model"]["config"] = fields = Namespace(**dataclasses.asdict(ModelConfig()))
+    if fields.vocab_size not in (vocab, ModelConfig.vocab_size):
+        return (f"--model.config.vocab_size: {fields.vocab_size} does not match the data's vocabulary of {vocab} "
+                "tokens; leave it out, it follows the data")
+    fields.vocab_size = vocab
+    return None
+
+
 # What the weights' shapes depend on: a checkpoint loads into a model only if these agree.
 WEIGHT_SHAPE_FIELDS = ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "mlp_hidden", "tie_embeddings")
 
@@ -206,7 +233,7 @@ class FlexMobaCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         config = self.config[subcommand] if subcommand else self.config
         self.complete(config)
-        problem = config_problem(config)
+        problem = follow_data_vocabulary(config) or config_problem(config)
         if problem:
             parser.error(problem)
 
@@ -369,8 +396,7 @@ def data_problem(data: dict) -> str | None:
 
     Builds the module (cheap: it lists files, reads none) to run its ``check_files``, if it has one.
     """
-    module, _, name = data["class_path"].rpartition(".")
-    datamodule = getattr(importlib.import_module(module), name)(**data.get("init_args", {}))
+    datamodule = data_class(data)(**data.get("init_args", {}))
     try:
         getattr(datamodule, "check_files", lambda: None)()
     except CorpusError as error:

@@ -1,7 +1,12 @@
-"""Loss by position window, as a torchmetrics Metric (sums and counts, so it syncs under DDP)."""
+"""Loss by position window, as a torchmetrics Metric (sums and counts, so it syncs under DDP); loss on
+copied spans of the long-range corpus against their first occurrences."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 from torchmetrics import Metric
 
@@ -102,3 +107,77 @@ class WindowedLoss(Metric):
         """``[n_windows]`` bool: windows some sequence reached (on any process), so a NaN there is a real one."""
         with self.sync_context():
             return self.token_count > 0
+
+
+DISTANCE_EDGES = (4096, 8192, 16384)  # repeat-loss bins: [0, 4K), [4K, 8K), [8K, 16K), [16K, inf) bytes
+
+
+@dataclass
+class RepeatSpanLosses:
+    """Loss sums and counts over copied spans and over the same spans' first occurrences (their
+    sources), in all and per distance bin; ``+`` adds batches, :meth:`means` gives the report."""
+
+    edges: tuple[int, ...]
+    copy_sum: np.ndarray  # [n_bins]
+    copy_count: np.ndarray
+    source_sum: np.ndarray
+    source_count: np.ndarray
+
+    def __add__(self, other: RepeatSpanLosses) -> RepeatSpanLosses:
+        if self.edges != other.edges:
+            raise ValueError(f"cannot add repeat losses of distance edges {self.edges} and {other.edges}")
+        return RepeatSpanLosses(self.edges, self.copy_sum + other.copy_sum, self.copy_count + other.copy_count,
+                                self.source_sum + other.source_sum, self.source_count + other.source_count)
+
+    def bins(self) -> list[tuple[int, int | None]]:
+        """``[low, high)`` distances of each bin; the last has no upper end (None)."""
+        bounds = (0, *self.edges)
+        return [(low, bounds[i + 1] if i + 1 < len(bounds) else None) for i, low in enumerate(bounds)]
+
+    def means(self) -> dict:
+        """``{"copy", "source", "gap"}`` over every bin (gap = source - copy: what copying saves), and
+        ``"bins"``: the same per ``(low, high)`` bin with its scored positions ``"count"``; NaN where empty."""
+        def mean(total, count):
+            return float(total / count) if count else float("nan")
+
+        def summary(index):
+            copy = mean(self.copy_sum[index].sum(), self.copy_count[index].sum())
+            source = mean(self.source_sum[index].sum(), self.source_count[index].sum())
+            return {"copy": copy, "source": source, "gap": source - copy, "count": int(self.copy_count[index].sum())}
+
+        overall = summary(slice(None))
+        return {**overall, "bins": {bounds: summary(i) for i, bounds in enumerate(self.bins())}}
+
+
+def repeat_span_losses(token_loss: torch.Tensor, targets: torch.Tensor, repeats: Sequence[np.ndarray],
+                       edges: Sequence[int] = DISTANCE_EDGES, skip: int = 0,
+                       ignore_index: int = IGNORE_INDEX) -> RepeatSpanLosses:
+    """Loss on each sequence's copied spans and on their sources, binned by distance (copy start - source start).
+
+    ``token_loss, targets: [B, S]``, where target ``t`` predicts byte ``t + 1`` of the sequence;
+    ``repeats[b]``: ``[r, 3]`` (start, length, source start) of sequence ``b``'s copies, relative to
+    its first byte (:meth:`lit.training.long_range.LongRangeData.repeats_of`). Byte ``k`` of a span is
+    scored for ``skip <= k < length`` where both the copy's and the source's byte ``k`` are valid
+    targets, so both sides average the same bytes of the same spans. ``skip`` leaves out each span's
+    first bytes, which a model cannot know are copied before it has seen them.
+    """
+    edges = tuple(int(e) for e in edges)
+    n_bins = len(edges) + 1
+    sums = {name: np.zeros(n_bins) for name in ("copy_sum", "copy_count", "source_sum", "source_count")}
+    loss = token_loss.detach().double().cpu().numpy()
+    valid = (targets != ignore_index).cpu().numpy()
+    S = loss.shape[1]
+    for b, spans in enumerate(repeats):
+        for start, length, source in np.asarray(spans, dtype=np.int64).reshape(-1, 3):
+            offsets = np.arange(skip, length)
+            copy_t, source_t = start - 1 + offsets, source - 1 + offsets
+            inside = (copy_t >= 0) & (copy_t < S) & (source_t >= 0) & (source_t < S)
+            copy_t, source_t = copy_t[inside], source_t[inside]
+            scored = valid[b, copy_t] & valid[b, source_t]
+            copy_t, source_t = copy_t[scored], source_t[scored]
+            k = int(np.searchsorted(edges, start - source, side="right"))
+            sums["copy_sum"][k] += loss[b, copy_t].sum()
+            sums["source_sum"][k] += loss[b, source_t].sum()
+            sums["copy_count"][k] += len(copy_t)
+            sums["source_count"][k] += len(source_t)
+    return RepeatSpanLosses(edges, **sums)

@@ -159,7 +159,7 @@ class LitLM(L.LightningModule):
         loss = self.metrics[f"{stage}_loss"].compute()
         self.log(names.loss(stage), loss, prog_bar=True, sync_dist=True)
         self.log(names.perplexity(stage), torch.exp(loss), sync_dist=True)
-        self.log(names.bits_per_byte(stage), loss / math.log(2), sync_dist=True)  # tokens are bytes: bits per byte
+        self.log(names.bits_per_byte(stage), loss / math.log(2) / self.bytes_per_token(stage), sync_dist=True)
         windows = self.metrics[f"{stage}_windows"]
         losses, reached = windows.compute().reshape(-1), windows.reached()
         for (start, end), value, counted in zip(self.windows, losses, reached, strict=True):
@@ -170,6 +170,11 @@ class LitLM(L.LightningModule):
             self.log(names.trailing_loss(stage), trailing.compute().reshape(-1)[0].float(), sync_dist=True)
         for name in ("loss", "windows", "trailing"):
             self.metrics[f"{stage}_{name}"].reset()
+
+    def bytes_per_token(self, stage: str) -> float:
+        """Bytes a token stands for in the data of ``stage``: the data module's count, 1 for bytes."""
+        count = getattr(getattr(self._trainer, "datamodule", None), "bytes_per_token", None)
+        return 1.0 if count is None else count(stage)
 
     def validation_step(self, batch, batch_idx) -> None:
         self._eval_step(batch, "val")

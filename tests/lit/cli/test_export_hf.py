@@ -149,3 +149,35 @@ def test_bfloat16_export(exported, tmp_path):
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     full = AutoModelForCausalLM.from_pretrained(out, attn_implementation="flexmoba")
     assert all(torch.equal(a.bfloat16(), b) for a, b in zip(full.parameters(), model.parameters(), strict=True))
+
+
+def word_level_tokenizer(path, size: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(size)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path))
+    return path
+
+
+def test_a_byte_model_exports_no_tokenizer_unless_given_one(exported, tmp_path):
+    from transformers import AutoTokenizer
+
+    _, ckpt, out = exported
+    assert not (out / "tokenizer.json").exists()
+    given = word_level_tokenizer(tmp_path / "words.json", 256)
+    with_tokenizer = export_hf.main(["--ckpt", str(ckpt), "--out", str(tmp_path / "hf"), "--tokenizer", str(given)])
+    assert AutoTokenizer.from_pretrained(with_tokenizer)("w3 w255")["input_ids"] == [3, 255]
+
+
+@pytest.mark.parametrize(("size", "words"), [(257, "257 tokens, more than the model's vocab_size=256"),
+                                             (None, "is not a tokenizer.json file")])
+def test_a_tokenizer_that_cannot_go_with_the_model_is_one_line(exported, tmp_path, capsys, size, words):
+    _, ckpt, _ = exported
+    path = tmp_path / "tokenizer.json" if size is None else word_level_tokenizer(tmp_path / "words.json", size)
+    with pytest.raises(SystemExit) as exit_info:
+        export_hf.main(["--ckpt", str(ckpt), "--out", str(tmp_path / "hf"), "--tokenizer", str(path)])
+    stderr = capsys.readouterr().err
+    assert exit_info.value.code == 2 and stderr.count("\n") == 1, stderr
+    assert stderr.startswith("flexmoba export-hf: error: --tokenizer: ") and words in stderr, stderr
+    assert not (tmp_path / "hf").exists()

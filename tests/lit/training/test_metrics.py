@@ -1,11 +1,19 @@
-"""Loss by position window: the inclusion rule, by hand."""
+"""Loss by position window: the inclusion rule, by hand; loss on copied spans against their sources, by hand."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from lit.training.metrics import IGNORE_INDEX, TokenMeanLoss, WindowedLoss, position_windows, trailing_window
+from lit.training.metrics import (
+    IGNORE_INDEX,
+    TokenMeanLoss,
+    WindowedLoss,
+    position_windows,
+    repeat_span_losses,
+    trailing_window,
+)
 
 X = IGNORE_INDEX
 
@@ -128,3 +136,47 @@ def test_token_mean_loss_weights_every_token_equally_and_keeps_nan():
     assert metric.compute().item() == pytest.approx((1.0 + 2.0 * 3) / 4)
     metric.update(torch.tensor([[float("nan")]]), torch.tensor([[4]]))
     assert math.isnan(metric.compute().item())
+
+
+# Two sequences of 10 targets (target t predicts byte t + 1); bins [0, 3), [3, 5), [5, inf).
+# Sequence 0: a 3-byte copy at byte 6 of byte 2 (distance 4): copy targets 5-7, source targets 1-3.
+# Sequence 1: a copy at byte 7 of byte 1 (distance 6): targets 6-7 and 0-1; a copy at byte 9 of byte 3
+# (distance 6) whose second byte is padding: only its first byte scores, copy target 8, source target 2.
+REPEAT_LOSS = torch.tensor([
+    [0.0, 1.0, 2.0, 3.0, 9.0, 0.5, 0.25, 0.75, 9.0, 9.0],
+    [4.0, 2.0, 1.0, 3.0, 0.0, 0.0, 0.1, 0.3, 0.6, 99.0],
+])
+REPEAT_TARGETS = torch.tensor([[1] * 10, [1] * 9 + [X]])
+REPEATS = [np.array([[6, 3, 2]]), np.array([[7, 2, 1], [9, 2, 3]])]
+
+
+def test_hand_computed_repeat_losses():
+    result = repeat_span_losses(REPEAT_LOSS, REPEAT_TARGETS, REPEATS, edges=(3, 5)).means()
+    assert result["copy"] == pytest.approx((0.5 + 0.25 + 0.75 + 0.1 + 0.3 + 0.6) / 6)
+    assert result["source"] == pytest.approx((1 + 2 + 3 + 4 + 2 + 1) / 6)
+    assert result["gap"] == pytest.approx(13 / 6 - 2.5 / 6)
+    assert result["count"] == 6
+    assert list(result["bins"]) == [(0, 3), (3, 5), (5, None)]
+    empty, near, far = result["bins"].values()
+    assert math.isnan(empty["copy"]) and math.isnan(empty["source"]) and empty["count"] == 0
+    assert (near["copy"], near["source"], near["count"]) == pytest.approx((0.5, 2.0, 3))
+    assert (far["copy"], far["source"], far["count"]) == pytest.approx((1.0 / 3, 7.0 / 3, 3))
+
+
+def test_repeat_losses_skip_first_bytes_and_add_up_over_batches():
+    skipped = repeat_span_losses(REPEAT_LOSS, REPEAT_TARGETS, REPEATS, edges=(3, 5), skip=1).means()
+    assert (skipped["copy"], skipped["source"], skipped["count"]) == pytest.approx(((0.25 + 0.75 + 0.3) / 3,
+                                                                                  (2 + 3 + 2) / 3, 3))
+    first = repeat_span_losses(REPEAT_LOSS[:1], REPEAT_TARGETS[:1], REPEATS[:1], edges=(3, 5))
+    second = repeat_span_losses(REPEAT_LOSS[1:], REPEAT_TARGETS[1:], REPEATS[1:], edges=(3, 5))
+    whole = repeat_span_losses(REPEAT_LOSS, REPEAT_TARGETS, REPEATS, edges=(3, 5))
+    assert (first + second).means()["copy"] == pytest.approx(whole.means()["copy"])
+    assert (first + second).means()["bins"][(5, None)]["source"] == pytest.approx(7.0 / 3)
+    with pytest.raises(ValueError, match="distance edges"):
+        first + repeat_span_losses(REPEAT_LOSS, REPEAT_TARGETS, REPEATS)
+
+
+def test_a_distance_on_a_bin_edge_opens_the_next_bin():
+    loss, targets = torch.ones(1, 10), torch.ones(1, 10, dtype=torch.long)
+    bins = repeat_span_losses(loss, targets, [np.array([[5, 2, 2]])], edges=(3, 5)).means()["bins"]
+    assert [summary["count"] for summary in bins.values()] == [0, 2, 0]

@@ -56,6 +56,17 @@ def test_bits_per_byte_is_the_mean_loss_over_ln_2(monkeypatch):
         assert logged[f"{stage}/bpb"] == pytest.approx(4 / 3 / math.log(2))
 
 
+def test_bits_per_byte_of_tokens_divide_by_the_bytes_per_token(monkeypatch):
+    module = tiny_module()
+    logged = capture_logs(module, monkeypatch)
+    token_data = SimpleNamespace(bytes_per_token={"val": 2.5, "test": 4.0}.get)
+    monkeypatch.setattr(module, "_trainer", SimpleNamespace(datamodule=token_data), raising=False)
+    for stage, bytes_per_token in (("val", 2.5), ("test", 4.0)):
+        module.metrics[f"{stage}_loss"].update(torch.full((1, SEQ_LEN), 3.0), torch.zeros(1, SEQ_LEN, dtype=torch.long))
+        module._log_eval(stage)
+        assert logged[f"{stage}/bpb"] == pytest.approx(3.0 / math.log(2) / bytes_per_token)
+
+
 def test_grad_norm_is_the_total_norm_before_the_step(monkeypatch):
     module = tiny_module()
     logged = capture_logs(module, monkeypatch)
