@@ -121,7 +121,7 @@ class Runner:
 
 def flop_ideal(selection, seq_len: int) -> float:
     """Causal (query, key) pairs / pairs the selection attends, over all batches and heads."""
-    B, H = selection.chunks.shape[:2]
+    B, H = selection.past_chunks.shape[:2]
     return B * H * seq_len * (seq_len + 1) / 2 / attended_pairs(selection)
 
 

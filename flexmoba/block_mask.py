@@ -41,7 +41,7 @@ def key_intervals(selection: Selection) -> tuple[torch.Tensor, torch.Tensor]:
     Slot ``P`` is the own chunk, cut at the query (causal); unused past slots are empty.
     """
     layout = selection.layout
-    B, H, S, _ = selection.chunks.shape
+    B, H, S, _ = selection.past_chunks.shape
     c = layout.chunk_size
     doc_start = layout.doc_start[:, None, :, None]  # [B, 1, S, 1]
     past_start = torch.where(selection.past_valid, doc_start + selection.past_chunks * c, 0)
@@ -141,7 +141,7 @@ def tile_attended_pairs(selection: Selection, block_size: tuple[int, int]) -> to
     tile: every query of a tile attends the same past chunks, and own chunks do not depend
     on the head."""
     layout = selection.layout
-    B, H, S, _ = selection.chunks.shape
+    B, H, S, _ = selection.past_chunks.shape
     piece = math.gcd(selection.granularity, block_size[0])  # inside one tile and one query block
     position = torch.arange(0, S, piece, device=layout.chunk_start.device)
     rows = QueryRows(S, position, (S - position).clamp(max=piece))
@@ -156,7 +156,7 @@ def tile_attended_pairs(selection: Selection, block_size: tuple[int, int]) -> to
 
 def block_tables(selection: Selection, block_size: tuple[int, int]):
     """``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)`` for the selection."""
-    S = selection.chunks.shape[2]
+    S = selection.past_chunks.shape[2]
     if selection.granularity == "token" or selection.layout.has_documents:
         return interval_block_tables(*key_intervals(selection), block_size, S)
     return tables_from_pairs(tile_attended_pairs(selection, block_size), block_size, S, S)
@@ -174,7 +174,7 @@ def selection_block_mask(
     if isinstance(block_size, int):
         block_size = (block_size, block_size)
     Bq, Bk = (validation.check_positive_int(b, "block_size") for b in block_size)
-    S = selection.chunks.shape[2]
+    S = selection.past_chunks.shape[2]
     mask_mod = moba_mask_mod(selection)  # first: it refuses selections too large to index
     kv_num, kv_idx, full_num, full_idx = block_tables(selection, (Bq, Bk))
     return BlockMask.from_kv_blocks(

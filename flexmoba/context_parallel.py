@@ -441,7 +441,7 @@ def attended_pairs(selection: Selection, query_start: int = 0) -> int:
     layout = selection.layout
     S = layout.doc_start.shape[1]
     t = query_start + torch.arange(S, device=layout.doc_start.device)
-    own = (t - layout.chunk_start + 1).sum() * selection.chunks.shape[1]
+    own = (t - layout.chunk_start + 1).sum() * selection.past_chunks.shape[1]
     return int(own) + int(selection.past_valid.sum()) * layout.chunk_size
 
 

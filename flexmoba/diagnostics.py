@@ -76,7 +76,7 @@ def selects_position(selection: Selection, key_position: torch.Tensor) -> torch.
     key_chunk = layout.local_chunk[b, key_position]  # [B]
     same_document = layout.doc_start == layout.doc_start[b, key_position][:, None]  # [B, S]
     positions = torch.arange(layout.local_chunk.shape[1], device=key_position.device)
-    index = key_chunk.view(-1, 1, 1, 1).expand(*selection.chunks.shape[:3], 1)
+    index = key_chunk.view(-1, 1, 1, 1).expand(*selection.past_chunks.shape[:3], 1)
     hit = selection.chunks.gather(-1, index)[..., 0]
     after = positions[None, :] >= key_position[:, None]
     return hit & (after & same_document)[:, None]

@@ -173,7 +173,7 @@ def _exclusive_cumsum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 def _own_rows(selection: Selection, H_kv: int, own_len: int, query_start: int = 0):
     """Intervals and sources of the own rows, and the own slot's virtual row ``[B, H, S]``."""
     layout = selection.layout
-    B, H, S, _ = selection.chunks.shape
+    B, H, S, _ = selection.past_chunks.shape
     G = H // H_kv
     padded = own_len // G
     positions = torch.arange(padded, device=layout.doc_start.device)

@@ -74,9 +74,9 @@ def moba_mask_mod(selection: Selection):
 
 def dense_moba_mask(selection: Selection) -> torch.Tensor:
     """``[B, H, S, S]`` bool: the same predicate as :func:`moba_mask_mod`, materialised."""
-    B, H, S, _ = selection.chunks.shape
+    B, H, S, _ = selection.past_chunks.shape
     layout = selection.layout
-    positions = torch.arange(S, device=selection.chunks.device)
+    positions = torch.arange(S, device=selection.past_chunks.device)
     causal = positions[None, :] <= positions[:, None]  # [S(q), S(kv)]
     same_document = layout.doc_start[:, :, None] == layout.doc_start[:, None, :]  # [B, S, S]
     key_chunk = layout.local_chunk[:, None, None, :].expand(B, H, S, S)

@@ -90,9 +90,9 @@ def needle_hits(selection, needles: Needles) -> tuple[torch.Tensor, torch.Tensor
     The second counts routes through a neighbour: a token that fetched the needle in this
     layer can hand it to the answer query inside their shared chunk in the next layer.
     """
-    device = selection.chunks.device
+    device = selection.past_chunks.device
     chunk_size = selection.layout.chunk_size
-    positions = torch.arange(selection.chunks.shape[2], device=device)
+    positions = torch.arange(selection.past_chunks.shape[2], device=device)
     answer_hits, chunk_hits = [], []
     for j in range(needles.value_positions.shape[1]):
         selected = selects_position(selection, needles.value_positions[:, j].to(device))  # [B, H, S]
