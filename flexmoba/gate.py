@@ -184,7 +184,7 @@ def select_past_chunks(scores: torch.Tensor, own: torch.Tensor, top_k: int) -> t
 
 # Query chunks scored together against one block of candidate chunks; more groups waste less
 # of the causal triangle, fewer groups run fewer (smaller) products.
-MAX_QUERY_GROUPS = 64
+MAX_QUERY_GROUPS = 16
 
 
 def query_chunk_groups(n_chunks: int) -> list[tuple[int, int]]:
