@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+from benchmarks.device import cpu_model
 from flexmoba.block_mask import key_intervals
 from flexmoba.checkpoint import load_model
 from flexmoba.model import GPT, capture_attention_inputs
@@ -112,6 +113,7 @@ def peak_extra_mb(fn: Callable[[], object], device) -> float | None:
 
 def machine() -> dict:
     info = {
+        "cpu_model": cpu_model(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
@@ -150,6 +152,8 @@ def finish_report(name: str, rows: list[dict], columns: list[tuple[str, str]], o
     """Write the JSON and Markdown report, print the table and where it went."""
     table = markdown_table(rows, columns)
     path = write_report(name, rows, table, out_dir)
+    info = machine()
+    print(f"CPU {info['cpu_model']}, {info['threads']} torch threads, torch {info['torch']}")
     print(table)
     print(f"written to {path}")
     return path
