@@ -217,6 +217,65 @@ def _embed_keys(d_own: torch.Tensor, like: torch.Tensor, key_offset: int) -> tor
     return full
 
 
+# Past pairs run as one batch of query blocks, each with a copy of its chunk's keys and values,
+# when those copies take at most this many bytes; above it, one call per chunk reads its keys in place.
+BATCHED_PAIRS_MAX_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class PairBlocks:
+    """The past pairs cut into blocks of ``R`` rows, each block one chunk's, padded with a row of zeros.
+
+    Attributes:
+        pair: ``[n_blocks, R]`` the pair of each row; ``n_pairs`` marks padding.
+        keys: ``[n_blocks, c]`` flat index of each block's keys in ``[B * H_kv * T]``.
+        query_of_row: ``[n_blocks, R]`` the query row of each block row; -1 for padding (the zero
+            row :meth:`rows` appends).
+        used: ``[n_blocks, R]`` bool, the rows that hold a pair.
+        query, slot: ``[n_used]`` the used rows' queries and slots, in block order.
+    """
+
+    pair: torch.Tensor
+    keys: torch.Tensor
+    query_of_row: torch.Tensor
+    used: torch.Tensor
+    query: torch.Tensor
+    slot: torch.Tensor
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x: [B * H * S, *]`` per query -> ``[n_blocks, R, *]`` per block row (zeros for padding)."""
+        return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[self.query_of_row]
+
+    def keys_and_values(self, k_rows: torch.Tensor, v_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k_rows, v_rows: [B * H_kv, T, D]`` -> each block's copy ``[n_blocks, 1, c, D]``."""
+        return (k_rows.reshape(-1, k_rows.shape[-1])[self.keys][:, None],
+                v_rows.reshape(-1, v_rows.shape[-1])[self.keys][:, None])
+
+
+def pair_blocks(pairs: PastPairs, key_len: int, chunk: int, rows: int, width: int) -> PairBlocks | None:
+    """:class:`PairBlocks` of the pairs, or None where a segment is not a whole chunk or the copies of
+    keys and values (``width`` = D + Dv fp32 columns per key) would exceed :data:`BATCHED_PAIRS_MAX_BYTES`."""
+    segments = pairs.segments
+    if not segments or any(seg.length != chunk for seg in segments):
+        return None
+    n_blocks = sum(-(-seg.count // rows) for seg in segments)
+    if n_blocks * chunk * width * 4 > BATCHED_PAIRS_MAX_BYTES:
+        return None
+    device = pairs.query.device
+    per_segment = lambda f: torch.tensor([f(seg) for seg in segments], device=device)  # noqa: E731
+    blocks = per_segment(lambda seg: -(-seg.count // rows))
+    segment = torch.repeat_interleave(torch.arange(len(segments), device=device), blocks)  # [n_blocks]
+    first_block = torch.cumsum(blocks, 0) - blocks
+    block_in_segment = torch.arange(n_blocks, device=device) - first_block[segment]
+    row = block_in_segment[:, None] * rows + torch.arange(rows, device=device)  # [n_blocks, R] row in the segment
+    used = row < per_segment(lambda seg: seg.count)[segment][:, None]
+    pair = torch.where(used, per_segment(lambda seg: seg.offset)[segment][:, None] + row, len(pairs.query))
+    first_key = per_segment(lambda seg: seg.kv_row * key_len + seg.start)[segment]
+    query_of_row = torch.where(used, pairs.query[pair.clamp(max=len(pairs.query) - 1)], -1)
+    return PairBlocks(pair, first_key[:, None] + torch.arange(chunk, device=device), query_of_row, used,
+                      pairs.query[pair[used]], pairs.slot[pair[used]])
+
+
 class _GatheredMoBA(torch.autograd.Function):
     """``q: [B, H, S, D]`` over ``k, v: [B, H_kv, T, D]``, T >= S; the queries' own chunks lie in
     keys ``[key_offset, key_offset + S)`` (0 and T = S unless queries sit at the end of longer keys)."""
@@ -228,19 +287,27 @@ class _GatheredMoBA(torch.autograd.Function):
         H_kv, Dv = k.shape[1], v.shape[-1]
         own_out, own_lse = _own_forward(q, k.narrow(2, key_offset, S), v.narrow(2, key_offset, S), own, chunk, scale)
         q_rows, k_rows, v_rows = q.reshape(-1, D), k.reshape(B * H_kv, -1, D), v.reshape(B * H_kv, -1, Dv)
-        pair_q = q_rows[pairs.query]
         P = pairs.slots_per_query
         slot_out = q.new_zeros(B * H * S * P, Dv)
         slot_lse = torch.full((B * H * S * P,), float("-inf"), device=q.device)
-        for seg in pairs.segments:
-            rows = slice(seg.offset, seg.offset + seg.count)
-            seg_out, seg_lse = dense_attention(pair_q[rows][None, None], *_keys(k_rows, v_rows, seg), False, scale)
-            slot_out[pairs.slot[rows]], slot_lse[pairs.slot[rows]] = seg_out[0, 0], seg_lse[0, 0]
+        blocks = pair_blocks(pairs, k_rows.shape[1], chunk, block, D + Dv)
+        if blocks is None:
+            pair_q = q_rows[pairs.query]
+            for seg in pairs.segments:
+                rows = slice(seg.offset, seg.offset + seg.count)
+                seg_out, seg_lse = dense_attention(pair_q[rows][None, None], *_keys(k_rows, v_rows, seg), False, scale)
+                slot_out[pairs.slot[rows]], slot_lse[pairs.slot[rows]] = seg_out[0, 0], seg_lse[0, 0]
+        else:
+            keys, values = blocks.keys_and_values(k_rows, v_rows)
+            block_out, block_lse = dense_attention(blocks.rows(q_rows)[:, None], keys, values, False, scale)
+            used = blocks.used
+            slot_out[blocks.slot] = block_out[:, 0][used]
+            slot_lse[blocks.slot] = block_lse[:, 0][used]
         out, lse = merge_slots(own_out.reshape(-1, Dv), own_lse.flatten(), slot_out.view(B * H * S, P, Dv),
                                slot_lse.view(B * H * S, P))
         out = out.view(B, H, S, Dv)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.pairs, ctx.own, ctx.chunk, ctx.scale, ctx.block = pairs, own, chunk, scale, block
+        ctx.pairs, ctx.blocks, ctx.own, ctx.chunk, ctx.scale, ctx.block = pairs, blocks, own, chunk, scale, block
         ctx.key_offset = key_offset
         return out
 
@@ -256,6 +323,16 @@ class _GatheredMoBA(torch.autograd.Function):
         dk, dv = _embed_keys(dk, k, ctx.key_offset), _embed_keys(dv, v, ctx.key_offset)
         q_rows, k_rows, v_rows = q.reshape(-1, D), k.reshape(B * H_kv, -1, D), v.reshape(B * H_kv, -1, Dv)
         dk_rows, dv_rows = dk.view(B * H_kv, -1, D), dv.view(B * H_kv, -1, Dv)
+        blocks = ctx.blocks
+        if blocks is not None:
+            dq_b, dk_b, dv_b = dense_attention_backward(
+                blocks.rows(grad_out.reshape(-1, Dv))[:, None], blocks.rows(q_rows)[:, None],
+                *blocks.keys_and_values(k_rows, v_rows), blocks.rows(out.reshape(-1, Dv))[:, None],
+                blocks.rows(lse[:, None])[:, None, :, 0], False, scale)
+            dq.view(-1, D).index_add_(0, blocks.query, dq_b[:, 0][blocks.used])
+            dk.view(-1, D).index_add_(0, blocks.keys.flatten(), dk_b.reshape(-1, D))
+            dv.view(-1, Dv).index_add_(0, blocks.keys.flatten(), dv_b.reshape(-1, Dv))
+            return dq, dk, dv, None, None, None, None, None, None
         index = pairs.query
         pair_grad, pair_q = grad_out.reshape(-1, Dv)[index], q_rows[index]
         pair_out, pair_lse = out.reshape(-1, Dv)[index], lse[index]

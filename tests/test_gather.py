@@ -1,4 +1,5 @@
-"""The gather backend's batching: a chunk's queries split into blocks, gradients summed back."""
+"""The gather backend's batching: a chunk's queries split into blocks (or all chunks' blocks in one
+batch), gradients summed back."""
 
 import torch
 from hypothesis import given
@@ -9,19 +10,21 @@ from flexmoba import gather, moba_reference, select_chunks
 from strategies import problems
 
 
-@given(problems(), st.integers(1, 9), st.booleans())
-def test_any_query_block_gives_reference_gradients(problem, query_block, fused):
-    """Small blocks put several blocks (and a remainder) in one call; dk and dv are their sum."""
+@given(problems(), st.integers(1, 9), st.booleans(), st.booleans())
+def test_any_query_block_gives_reference_gradients(problem, query_block, fused, batched):
+    """Small blocks put several blocks (and a remainder) in one call; dk and dv are their sum.
+    ``batched``: all past pairs as one batch of blocks, or one call per chunk (the long-sequence path)."""
     grad_out = torch.randn(problem.q.shape, generator=torch.Generator().manual_seed(0))
-    original = gather._fused_cpu
+    original, original_cap = gather._fused_cpu, gather.BATCHED_PAIRS_MAX_BYTES
     gather._fused_cpu = lambda q: fused and original(q)
+    gather.BATCHED_PAIRS_MAX_BYTES = original_cap if batched else 0
     try:
         inputs = [t.clone().requires_grad_() for t in (problem.q, problem.k, problem.v)]
         selection = select_chunks(inputs[0], inputs[1], **problem.kwargs)
         out = gather.gather_moba_attention(*inputs, selection, query_block=query_block)
         got = torch.autograd.grad((out * grad_out).sum(), inputs)
     finally:
-        gather._fused_cpu = original
+        gather._fused_cpu, gather.BATCHED_PAIRS_MAX_BYTES = original, original_cap
     inputs = [t.clone().requires_grad_() for t in (problem.q, problem.k, problem.v)]
     ref = moba_reference(*inputs, **problem.kwargs)
     expected = torch.autograd.grad((ref * grad_out).sum(), inputs)
