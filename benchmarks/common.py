@@ -3,6 +3,7 @@ and q/k/v captured from a trained checkpoint."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import json
@@ -141,18 +142,32 @@ def write_report(name: str, rows: list[dict], table: str, out_dir: Path) -> Path
     return path
 
 
+_HEADERS_SHOWN: set[tuple] = set()
+
+
 def print_row(row: dict, columns: list[tuple[str, str]]) -> None:
-    """One table row as soon as it is measured (progress for long runs)."""
-    print(markdown_table([row], columns).splitlines()[-1], flush=True)
+    """One table row as soon as it is measured (progress for long runs), the table's header before the first."""
+    lines = markdown_table([row], columns).splitlines()
+    if tuple(columns) not in _HEADERS_SHOWN:
+        _HEADERS_SHOWN.add(tuple(columns))
+        print("\n".join(lines[:2]))
+    print(lines[-1], flush=True)
 
 
 def finish_report(name: str, rows: list[dict], columns: list[tuple[str, str]], out_dir: Path) -> Path:
-    """Write the JSON and Markdown report, print the table and where it went."""
-    table = markdown_table(rows, columns)
-    path = write_report(name, rows, table, out_dir)
-    print(table)
-    print(f"written to {path}")
+    """Write the JSON and Markdown report and say where it went (its rows were printed as they came)."""
+    path = write_report(name, rows, markdown_table(rows, columns), out_dir)
+    print(f"written to {path} and {path.with_suffix('.json')}")
     return path
+
+
+def timing_repeats(text: str) -> int:
+    """``--repeats``: timed calls per measurement, at least 2 (one warm-up call precedes them)."""
+    repeats = int(text)
+    if repeats < 2:
+        raise argparse.ArgumentTypeError(f"must be >= 2, got {repeats}: the median of one timed call is not a "
+                                         "measurement")
+    return repeats
 
 
 # -- masks and attended pairs ------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Export a flexmoba checkpoint as a Hugging Face ``LlamaForCausalLM`` directory.
 
     flexmoba export-hf --ckpt runs/moba/checkpoints/last.ckpt --out out/hf-moba
+    flexmoba export-hf --ckpt runs/moba/checkpoints/last.ckpt --out out/hf-moba --overwrite   # replace it
 
 writes ``config.json`` (the Llama architecture plus ``"moba": {"chunk_size", "top_k",
 "full_attention_last_n_layers"}``), the weights (safetensors) and ``generation_config.json``.
@@ -25,21 +26,23 @@ import torch
 
 from flexmoba.checkpoint import load_model, read_checkpoint
 from flexmoba.integrations.export import to_llama
+from lit.cli import checks
 from lit.cli.options import parse_dataclass
 
 DEFAULT_MAX_POSITIONS = 4096
 WeightDtype = Literal["float32", "bfloat16", "float16"]
 
 
-def export_checkpoint(ckpt: str | Path, out: str | Path, max_position_embeddings: int | None = None,
+def export_checkpoint(ckpt: str | Path | dict, out: str | Path, max_position_embeddings: int | None = None,
                       dtype: str = "float32") -> Path:
-    """Write the ``LlamaForCausalLM`` of checkpoint ``ckpt`` to the folder ``out``; returns ``out``.
+    """Write the ``LlamaForCausalLM`` of checkpoint ``ckpt`` (a path, or its dict) to the folder ``out``;
+    returns ``out``.
 
     ``max_position_embeddings`` defaults to the training ``seq_len`` the checkpoint records
     (or 4096): informational, RoPE runs at any length. ``dtype``: of the written weights
     (the logits match the flexmoba model's in float32).
     """
-    checkpoint = read_checkpoint(ckpt)
+    checkpoint = read_checkpoint(ckpt) if not isinstance(ckpt, dict) else ckpt
     seq_len = checkpoint.get("hyper_parameters", {}).get("seq_len")
     llama = to_llama(load_model(checkpoint), max_position_embeddings or seq_len or DEFAULT_MAX_POSITIONS)
     llama = llama.to(getattr(torch, dtype))
@@ -57,21 +60,29 @@ class ExportJob:
         out: the folder to write the Hugging Face model to.
         max_position_embeddings: config.max_position_embeddings (default: the checkpoint's training seq_len).
         dtype: of the written weights.
+        overwrite: replace what ``out`` holds (without it, a folder that holds files is refused).
     """
 
     ckpt: str
     out: str
     max_position_embeddings: int | None = None
     dtype: WeightDtype = "float32"
+    overwrite: bool = False
 
 
 def main(argv: list[str] | None = None) -> Path:
     job = parse_dataclass(ExportJob, argv, prog="flexmoba export-hf", description=__doc__)
-    out = export_checkpoint(job.ckpt, job.out, job.max_position_embeddings, job.dtype)
+    checkpoint = checks.checkpoint_file("--ckpt", job.ckpt)
+    checks.output_folder("--out", job.out, job.overwrite)
+    out = export_checkpoint(checkpoint, job.out, job.max_position_embeddings, job.dtype)
     print(f"wrote a LlamaForCausalLM to {out} (load with attn_implementation='flexmoba' after "
           "flexmoba.integrations.transformers.register())")
     return out
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from lit.cli.main import main as flexmoba
+
+    flexmoba(["export-hf", *sys.argv[1:]])
