@@ -14,7 +14,8 @@ import warnings
 # Lightning's info lines that say nothing the run's last line does not: the accelerator banner, the
 # litlogger advertisement, the seed (it is in the saved config), the checkpoint loaded and why the fit stopped.
 BANNERS = re.compile(r"(GPU|TPU|HPU) available:|💡 Tip:|Seed set to \d+|Restoring states from the checkpoint|"
-                     r"Loaded model weights from the checkpoint|`Trainer.fit` stopped:")
+                     r"Loaded model weights from the checkpoint|`Trainer.fit` stopped:|"
+                     r"`Trainer\(\w+=.*\)` was configured so")
 BANNER_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
                   "lightning.fabric.utilities.seed")
 
@@ -22,8 +23,9 @@ BANNER_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.uti
 HARMLESS_WARNINGS = (
     # Lightning's own pytree helper calls torch's deprecated LeafSpec check; nothing to do on our side.
     r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-    # flexmoba checkpoints hold plain data, so they load with weights_only=True either way.
-    r".*weights_only",
+    # torch's notice on loading a checkpoint with weights_only=False (Lightning restoring a run's own);
+    # flexmoba checkpoints hold plain data and load with weights_only=True as well.
+    r"You are using `torch.load` with `weights_only=False`",
     # A resumed run writes into its own checkpoint folder on purpose.
     r"Checkpoint directory .* exists and is not empty",
     # A run's config is handed over as Python values, which is what this warning is about.

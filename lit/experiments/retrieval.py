@@ -195,7 +195,8 @@ class RetrievalData(L.LightningDataModule):
             with thousands of samples a small model sees each only a few times).
         val_size: validation samples (depths spread over ``depth_range``).
         eval_lengths, eval_depths: the grid of :func:`evaluate_retrieval` (lengths above
-            ``seq_len`` test length generalisation).
+            ``seq_len`` test length generalisation); default lengths a quarter, half and all of
+            ``seq_len``, those shorter than the task's minimum left out.
         eval_samples: samples per grid cell.
         seed: data seed; train, val and evaluation use disjoint derived seeds.
     """
@@ -225,7 +226,8 @@ class RetrievalData(L.LightningDataModule):
         self.seq_len, self.batch_size, self.num_workers, self.seed = seq_len, batch_size, num_workers, seed
         self.depth_range = (float(depth_range[0]), float(depth_range[1]))
         self.train_size, self.val_size = train_size, val_size
-        self.eval_lengths = list(eval_lengths or [seq_len // 4, seq_len // 2, seq_len])
+        default_lengths = [n for n in (seq_len // 4, seq_len // 2) if n >= self.task.min_length()] + [seq_len]
+        self.eval_lengths = list(eval_lengths or default_lengths)
         self.eval_depths = list(eval_depths or [0.0, 0.25, 0.5, 0.75, 1.0])
         self.eval_samples = eval_samples
 

@@ -70,7 +70,8 @@ def run_summary(trainer: L.Trainer, subcommand: str, loaded: str | None) -> str:
     if stage:
         loss = trainer.callback_metrics.get(f"{stage}/loss")
         batches = getattr(trainer, f"num_{stage}_batches", None) or [0]
-        parts.append(f"{stage}/loss {float(loss):.4f} ({sum(batches):g} batches)" if loss is not None
+        count = sum(batches)
+        parts.append(f"{stage}/loss {float(loss):.4f} ({count:g} batch{'es' * (count != 1)})" if loss is not None
                      else "no validation ran")
     callback = trainer.checkpoint_callback
     if subcommand == "fit":

@@ -152,6 +152,7 @@ def test_the_table_covers_every_subcommand():
     assert {argv[0] for argv, _ in TABLE} >= set(SUBCOMMANDS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(TABLE)), ids=[" ".join(argv[:3]) for argv, _ in TABLE])
 def test_a_mistake_is_one_line_and_exit_2(index, outcomes, places):
     argv, expected = TABLE[index]
@@ -159,6 +160,7 @@ def test_a_mistake_is_one_line_and_exit_2(index, outcomes, places):
     assert_one_line_error(outcome["rc"], outcome["stderr"], expected.format(**places))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, expected", [
     (["fit", *TINY, "--trainer.default_root_dir", "{empty}/fresh", "--ckpt_path", "last"],
      "--ckpt_path: last: nothing to resume"),
