@@ -111,10 +111,21 @@ def peak_extra_mb(fn: Callable[[], object], device) -> float | None:
 # -- reports -----------------------------------------------------------------------------
 
 
+def cpu_model() -> str | None:
+    """The CPU's name and model number as Linux reports them, e.g. ``Intel(R) Xeon(R) Processor (model 167)``."""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines() if ":" in line)
+    except OSError:
+        return None
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    return f"{info.get('model name', '?')} (model {info.get('model', '?')})" if "model name" in info else None
+
+
 def machine() -> dict:
     info = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

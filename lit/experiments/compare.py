@@ -1,9 +1,9 @@
 """Main job: train MoBA and full attention on the same budget and compare them.
 
     flexmoba compare                                  # the default budget, minutes on 2 CPU cores
-    flexmoba compare --seeds 3                        # three seeds per attention kind: mean ± std
+    flexmoba compare --seeds 3 --out runs/compare-3seeds   # three seeds per attention kind: mean ± std
     flexmoba compare --trainer.max_steps 2 --data.max_files 5 --data.seq_len 128 --out /tmp/cmp   # smoke run
-    flexmoba compare --model.config.moba.top_k 2 --model.config.d_model 256    # any `flexmoba fit` option
+    flexmoba compare --model.config.moba.top_k 2 --model.config.d_model 256 --out runs/compare-top2   # any fit option
 
 It takes every option of ``flexmoba fit`` with the same spelling (``--config`` files too) and
 three of its own: ``--seeds`` (runs per attention kind, seeded ``seed_everything + i``; the
