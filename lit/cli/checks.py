@@ -1,7 +1,7 @@
 """Checks every subcommand runs on what it is given before doing any work: checkpoints to read,
 folders to write, devices to run on. Each raises :class:`lit.cli.errors.UsageError` naming the option.
 
-The one rule for outputs: nothing a subcommand wrote before is replaced unless ``--overwrite`` says so.
+The one rule for outputs: nothing a subcommand wrote before is replaced unless ``--overwrite true`` says so.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def output_folder(option: str, path: str | Path, overwrite: bool) -> Path:
     if held and not overwrite:
         shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
         raise UsageError(option, f"{path} already holds output ({shown})",
-                         "pass --overwrite to replace it, or give another folder")
+                         "pass --overwrite true to replace it, or give another folder")
     return path
 
 

@@ -1,7 +1,7 @@
 """Export a flexmoba checkpoint as a Hugging Face ``LlamaForCausalLM`` directory.
 
     flexmoba export-hf --ckpt runs/moba/checkpoints/last.ckpt --out out/hf-moba
-    flexmoba export-hf --ckpt runs/moba/checkpoints/last.ckpt --out out/hf-moba --overwrite   # replace it
+    flexmoba export-hf --ckpt runs/moba/checkpoints/last.ckpt --out out/hf-moba --overwrite true   # replace it
 
 writes ``config.json`` (the Llama architecture plus ``"moba": {"chunk_size", "top_k",
 "full_attention_last_n_layers"}``), the weights (safetensors) and ``generation_config.json``.

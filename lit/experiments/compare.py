@@ -168,7 +168,7 @@ def train_one(study: dict, attention: str, seed: int) -> dict:
     if done.exists():
         print(f"[compare] {attention} (seed {seed}): done, skipped", flush=True)
         return json.loads(done.read_text())
-    resume = (folder / "checkpoints" / "last.ckpt").exists()
+    resume = any((folder / "checkpoints").glob("*.ckpt"))  # killed between step and last checkpoint: resumes too
     print(f"[compare] {attention} (seed {seed}): {'resuming' if resume else 'training'} -> {folder}", flush=True)
     cli, final = fit_and_validate(run_config(study, attention, seed), resume=resume,
                                   limit_val_batches=study["final_val_batches"])

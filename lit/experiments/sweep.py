@@ -447,7 +447,7 @@ def plan_runs(spec: SweepSpec) -> list[tuple[str, dict | None]]:
                                  "config now asks for; use a new out_dir or delete that run's folder")
             plan.append(("done", result))
         else:
-            plan.append(("resume" if (run.folder / "checkpoints" / "last.ckpt").exists() else "start", None))
+            plan.append(("resume" if any((run.folder / "checkpoints").glob("*.ckpt")) else "start", None))
     return plan
 
 

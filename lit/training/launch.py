@@ -340,6 +340,18 @@ class FlexMobaCLI(LightningCLI):
             self.parser.error(f"--trainer.default_root_dir: {root} already holds a run's checkpoints "
                               f"({', '.join(sorted(p.name for p in folder.glob('*.ckpt')))}); resume it with "
                               "--ckpt_path last, or give another --trainer.default_root_dir")
+        if self.subcommand == "predict":
+            self.check_predictions_folder()
+
+    def check_predictions_folder(self) -> None:
+        """Predictions of an earlier predict are not replaced: the folder must hold none."""
+        writers = [c for c in self.trainer.callbacks if isinstance(c, JsonlPredictionWriter)]
+        given = writers[0].output_dir if writers else None
+        folder = Path(given or Path(self.trainer.default_root_dir) / "predictions")
+        earlier = sorted(p.name for p in folder.glob("predictions-rank*.jsonl"))
+        if earlier:
+            self.parser.error(f"--predictions.output_dir: {folder} already holds predictions ({', '.join(earlier)}); "
+                              "give another --predictions.output_dir, or delete them to predict again")
 
     def before_subcommand(self) -> None:
         self.config_init[self.subcommand]["ckpt_path"] = self.checkpoint

@@ -54,6 +54,8 @@ MISTAKES = [
      "holds another model (d_model 32 != 64"),
     (["predict", *tiny("{run}", "--ckpt_path", "last", "--trainer.max_steps", "x")],
      "--trainer.max_steps: must be int, got 'x'"),
+    (["predict", *tiny("{run}", "--ckpt_path", "last")],
+     "--predictions.output_dir: {run}/predictions already holds predictions (predictions-rank0.jsonl)"),
     # compare
     (["compare", "--step", "5", "--out", "{empty}/c"], "unrecognized arguments: --step 5; did you mean --seeds?"),
     (["compare", "--model.config.attention", "full", "--out", "{empty}/c"],
@@ -71,7 +73,7 @@ MISTAKES = [
     # export-hf
     (["export-hf", "--ckpt", "{missing}", "--out", "{empty}/hf"], "--ckpt: {missing} does not exist"),
     (["export-hf", "--ckpt", "{run}/checkpoints/last.ckpt", "--out", "{held}"],
-     "--out: {held} already holds output (earlier.md); pass --overwrite to replace it"),
+     "--out: {held} already holds output (earlier.md); pass --overwrite true to replace it"),
     (["export-hf", "--ckpt", "{run}/checkpoints/last.ckpt", "--out", "{file}"], "--out: {file} is a file"),
     # retrieval
     (["retrieval", "evaluate", "--ckpt", "{missing}", "--out", "{empty}/r"], "--ckpt: {missing} does not exist"),
@@ -109,6 +111,8 @@ def places(tmp_path_factory) -> dict[str, str]:
     (root / "junk.ckpt").write_text("not a checkpoint\n")
     (root / "held").mkdir()
     (root / "held" / "earlier.md").write_text("output of an earlier run\n")
+    (root / "run" / "predictions").mkdir(parents=True)
+    (root / "run" / "predictions" / "predictions-rank0.jsonl").write_text("{}\n")  # an earlier predict's
     corpus = root / "corpus"
     corpus.mkdir()
     for i in range(16):
