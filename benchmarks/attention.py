@@ -30,7 +30,6 @@ second table gives the locality of the real selections.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections.abc import Callable
@@ -54,6 +53,7 @@ from benchmarks.common import (
     peak_extra_mb,
     print_row,
     settle_malloc,
+    timing_repeats,
     write_report,
 )
 from benchmarks.verdict import one_line
@@ -61,6 +61,7 @@ from flexmoba import compiled_flex_attention, moba_attention, select_chunks, sel
 from flexmoba.flex_plan import plan_from_selection
 from flexmoba.gather import gather_moba_attention
 from flexmoba.masks import dense_moba_mask
+from lit.cli.options import OneLineArgumentParser
 
 METHODS = ("sdpa_causal", "full_flex_causal", "moba_flex", "moba_flex_union", "moba_flex_tile", "moba_sdpa",
            "moba_gather")
@@ -323,7 +324,7 @@ def configs_for(seq_len: int, args) -> list[tuple[int, int]]:
 
 def parse_args(argv=None):
     cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq_lens", type=int, nargs="+",
                    help=f"sequence lengths S (default: {CPU_SEQ_LENS} on CPU, {CUDA_SEQ_LENS} on CUDA)")
     p.add_argument("--configs", nargs="+",
@@ -342,7 +343,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16" if cuda else "float32",
                    help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--device", default="cuda" if cuda else "cpu", help="default: cuda if available")
-    p.add_argument("--repeats", type=int, default=3, help="timed calls per measurement, median (default: 3)")
+    p.add_argument("--repeats", type=timing_repeats, default=3, help="timed calls per measurement, median (default: 3)")
     p.add_argument("--no_backward", action="store_true", help="forward only")
     p.add_argument("--dense_max_seq", type=int, default=32768 if cuda else 16384,
                    help="skip moba_sdpa (dense S x S mask) above this S (default: 16384 on CPU, 32768 on CUDA)")
@@ -416,8 +417,6 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     rows, localities = run(args)
     path = report(rows, localities, args, torch.device(args.device).type)
-    print()
-    print(path.read_text())
     print(f"written to {path} and {path.with_suffix('.json')}")
 
 
@@ -436,7 +435,6 @@ def run(args, not_timed: dict[str, str] | None = None) -> tuple[list[dict], list
     started = time.perf_counter()
     rows: list[dict] = []
     localities: list[dict] = []
-    print("| " + " | ".join(h for _, h in COLUMNS) + " |", flush=True)
     for seq_len in args.seq_lens:
         layers, (q, k, v) = inputs.get(seq_len)
         localities += locality_rows(inputs, layers, seq_len)

@@ -3,6 +3,7 @@ and q/k/v captured from a trained checkpoint."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import json
@@ -17,7 +18,6 @@ from pathlib import Path
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from benchmarks.device import cpu_model
 from flexmoba.block_mask import key_intervals
 from flexmoba.checkpoint import load_model
 from flexmoba.model import GPT, capture_attention_inputs
@@ -111,11 +111,21 @@ def peak_extra_mb(fn: Callable[[], object], device) -> float | None:
 # -- reports -----------------------------------------------------------------------------
 
 
+def cpu_model() -> str | None:
+    """The CPU's name and model number as Linux reports them, e.g. ``Intel(R) Xeon(R) Processor (model 167)``."""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines() if ":" in line)
+    except OSError:
+        return None
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    return f"{info.get('model name', '?')} (model {info.get('model', '?')})" if "model name" in info else None
+
+
 def machine() -> dict:
     info = {
-        "cpu_model": cpu_model(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -143,20 +153,34 @@ def write_report(name: str, rows: list[dict], table: str, out_dir: Path) -> Path
     return path
 
 
+_HEADERS_SHOWN: set[tuple] = set()
+
+
 def print_row(row: dict, columns: list[tuple[str, str]]) -> None:
-    """One table row as soon as it is measured (progress for long runs)."""
-    print(markdown_table([row], columns).splitlines()[-1], flush=True)
+    """One table row as soon as it is measured (progress for long runs), the table's header before the first."""
+    lines = markdown_table([row], columns).splitlines()
+    if tuple(columns) not in _HEADERS_SHOWN:
+        _HEADERS_SHOWN.add(tuple(columns))
+        print("\n".join(lines[:2]))
+    print(lines[-1], flush=True)
 
 
 def finish_report(name: str, rows: list[dict], columns: list[tuple[str, str]], out_dir: Path) -> Path:
-    """Write the JSON and Markdown report, print the table and where it went."""
-    table = markdown_table(rows, columns)
-    path = write_report(name, rows, table, out_dir)
+    """Write the JSON and Markdown report and say where it went (its rows were printed as they came)."""
+    path = write_report(name, rows, markdown_table(rows, columns), out_dir)
     info = machine()
-    print(f"CPU {info['cpu_model']}, {info['threads']} torch threads, torch {info['torch']}")
-    print(table)
-    print(f"written to {path}")
+    print(f"measured on CPU {info['cpu_model']}, {info['threads']} torch threads, torch {info['torch']}")
+    print(f"written to {path} and {path.with_suffix('.json')}")
     return path
+
+
+def timing_repeats(text: str) -> int:
+    """``--repeats``: timed calls per measurement, at least 2 (one warm-up call precedes them)."""
+    repeats = int(text)
+    if repeats < 2:
+        raise argparse.ArgumentTypeError(f"must be >= 2, got {repeats}: the median of one timed call is not a "
+                                         "measurement")
+    return repeats
 
 
 # -- masks and attended pairs ------------------------------------------------------------

@@ -21,7 +21,6 @@ context / keys a MoBA query attends.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import statistics
 import time
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import DEFAULT_OUT, finish_report, print_row
 from flexmoba import MoBAKVCache, MobaSpec, moba_decode_attention, moba_reference
+from lit.cli.options import OneLineArgumentParser
 
 COLUMNS = [
     ("seq_len", "context"), ("dense_gqa_ms", "dense SDPA GQA (ms)"), ("dense_grouped_ms", "dense grouped (ms)"),
@@ -136,7 +136,7 @@ def summarise(seq_len: int, times: dict[str, list[float]], args, err) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq_lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv_heads", type=int, default=8)

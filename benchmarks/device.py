@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import subprocess
@@ -15,6 +14,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.verdict import verdict
+from lit.cli.options import OneLineArgumentParser
 
 
 def cpu_model() -> str:
@@ -48,7 +48,7 @@ def describe(device: torch.device | str) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     device = torch.device(args.device)

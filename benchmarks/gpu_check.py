@@ -21,7 +21,6 @@ part which methods passed; :func:`not_timed` reads it. A Markdown table goes bes
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from benchmarks.common import markdown_table
 from benchmarks.device import describe
 from benchmarks.verdict import one_line, verdict
 from flexmoba import moba_attention, moba_reference
+from lit.cli.options import OneLineArgumentParser
 
 METHODS = ("moba_flex", "moba_flex_union", "moba_gather", "sdpa_causal")  # what gpu.sh times
 TOLERANCE = {"float32": 5e-3, "bfloat16": 3e-2, "float16": 1e-2}  # of max |ref|
@@ -173,7 +173,7 @@ def summary(records: list[dict]) -> tuple[str, str]:
 
 def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--configs", nargs="+", default=["512:3", "128:8"], help="chunk:top_k pairs")

@@ -13,7 +13,6 @@ gradient; out, dq, dk and dv must be bitwise equal. Forward only where flex has 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -24,6 +23,7 @@ from benchmarks.device import describe
 from benchmarks.gpu_check import outputs_and_grads
 from benchmarks.verdict import one_line, verdict
 from flexmoba import moba_attention
+from lit.cli.options import OneLineArgumentParser
 
 TENSORS = ("out", "dq", "dk", "dv")
 
@@ -50,7 +50,7 @@ def compare_runs(run, repeats: int = 2) -> tuple[str, str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--batch", type=int, default=1)

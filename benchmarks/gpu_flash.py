@@ -19,7 +19,6 @@ deterministic version before SM100.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 from collections.abc import Callable
@@ -27,11 +26,12 @@ from functools import partial
 
 import torch
 
-from benchmarks.common import causal_block_mask, markdown_table, median_seconds
+from benchmarks.common import causal_block_mask, markdown_table, median_seconds, timing_repeats
 from benchmarks.device import describe
 from benchmarks.gpu_check import outputs_and_grads
 from benchmarks.verdict import one_line, verdict
 from flexmoba import compiled_flex_attention, moba_flex_plan, moba_reference
+from lit.cli.options import OneLineArgumentParser
 
 BLOCK = (128, 128)
 TOLERANCE = 3e-2  # bf16, of max |oracle|
@@ -85,7 +85,7 @@ def describe_row(row: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=8)
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq_len", type=int, default=8192)
     p.add_argument("--head_dim", type=int, default=128)
     p.add_argument("--config", default="512:3", help="chunk:top_k of the moba plan case")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=timing_repeats, default=3)
     p.add_argument("--out", default=None, help="Markdown table of the comparison (default: none)")
     args = p.parse_args(argv)
     device = torch.device(args.device)

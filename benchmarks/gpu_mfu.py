@@ -14,7 +14,6 @@ are the sparse ones, twice the dense peak), so it is shown beside ours, not used
 
 from __future__ import annotations
 
-import argparse
 import csv
 import os
 import re
@@ -29,6 +28,7 @@ import torch
 
 from benchmarks.device import describe
 from benchmarks.verdict import verdict
+from lit.cli.options import OneLineArgumentParser
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "throughput/train/device/"
@@ -107,7 +107,7 @@ def mfu_summary(values: dict[str, float], device_name: str, device_type: str) ->
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--configs", nargs="+", default=["configs/moba.yaml"], help="shipped configs, in order")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps (default: 100)")

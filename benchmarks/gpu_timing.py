@@ -9,7 +9,6 @@ Every other option is :mod:`benchmarks.attention`'s.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from benchmarks import attention
 from benchmarks.device import describe
 from benchmarks.gpu_check import not_timed
 from benchmarks.verdict import verdict
+from lit.cli.options import OneLineArgumentParser
 
 
 def summary(rows: list[dict], skipped: dict[str, str]) -> tuple[str, str]:
@@ -39,7 +39,7 @@ def summary(rows: list[dict], skipped: dict[str, str]) -> tuple[str, str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
+    p = OneLineArgumentParser(description=__doc__.splitlines()[0], add_help=False)
     p.add_argument("--checks", type=Path, default=Path("runs/benchmarks/gpu/checks.json"),
                    help="the oracle part's JSON (benchmarks.gpu_check --out)")
     own, rest = p.parse_known_args(argv)

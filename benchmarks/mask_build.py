@@ -10,14 +10,14 @@ attention on the same inputs.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import DEFAULT_OUT, block_density, finish_report, median_seconds, print_row
+from benchmarks.common import DEFAULT_OUT, block_density, finish_report, median_seconds, print_row, timing_repeats
 from flexmoba import compiled_flex_attention, moba_block_mask, moba_flex_plan
+from lit.cli.options import OneLineArgumentParser
 
 COLUMNS = [
     ("seq_len", "S"), ("granularity", "granularity"), ("build_ms", "mask build (ms)"),
@@ -53,14 +53,14 @@ def measure(seq_len: int, granularity, heads: int, head_dim: int, chunk_size: in
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq_lens", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head_dim", type=int, default=64)
     parser.add_argument("--moba_chunk_size", dest="chunk_size", type=int, default=512)
     parser.add_argument("--moba_top_k", dest="top_k", type=int, default=3)
     parser.add_argument("--tile", type=int, default=128, help="tile size of the tile-granularity rows")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=timing_repeats, default=3)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report folder (committed: benchmarks/results)")
     args = parser.parse_args(argv)
 

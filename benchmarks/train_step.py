@@ -18,7 +18,6 @@ dense-mask path, i.e. ``vs moba sdpa`` >= 2 on the gather row.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -33,8 +32,10 @@ from benchmarks.common import (
     peak_extra_mb,
     print_row,
     settle_malloc,
+    timing_repeats,
 )
 from flexmoba.model import GPT, ModelConfig
+from lit.cli.options import OneLineArgumentParser
 
 COLUMNS = [
     ("seq_len", "S"), ("batch", "B"), ("attention", "attention"), ("backend", "backend"),
@@ -108,7 +109,7 @@ def add_ratios(rows: list[dict]) -> None:
 
 def parse_args(argv=None):
     cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq_lens", type=int, nargs="+", default=[2048, 8192], help="sequence lengths S")
     p.add_argument("--backends", nargs="+", default=["flex", "gather", "sdpa"] if cuda else ["gather", "sdpa"],
                    choices=("auto", "flex", "gather", "sdpa"), help="MoBA backends to time")
@@ -116,7 +117,7 @@ def parse_args(argv=None):
     p.add_argument("--config", type=Path, default=None,
                    help="LightningCLI YAML whose model.config fields change the default model")
     p.add_argument("--batch_size", type=int, default=1, help="sequences per step")
-    p.add_argument("--repeats", type=int, default=3, help="timed steps (median)")
+    p.add_argument("--repeats", type=timing_repeats, default=3, help="timed steps (median)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report folder (committed: benchmarks/results)")
@@ -130,7 +131,6 @@ def main(argv=None) -> None:
         settle_malloc()
     base = load_config(args.config)
     print(f"model: {base}", flush=True)
-    print("| " + " | ".join(h for _, h in COLUMNS) + " |", flush=True)
     rows = []
     for seq_len in args.seq_lens:
         for attention, backend in variants(args.backends, not args.no_full):

@@ -17,7 +17,6 @@ No timing: the counts come from the block tables.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
@@ -33,6 +32,7 @@ from benchmarks.common import (
 )
 from flexmoba import select_chunks, selection_block_mask
 from flexmoba.flex_plan import plan_from_selection
+from lit.cli.options import OneLineArgumentParser
 
 COLUMNS = [
     ("inputs", "inputs"), ("layer", "layer"), ("seq_len", "S"), ("config", "chunk/top-k"), ("tile", "query tile"),
@@ -61,7 +61,7 @@ def layer_rows(q, k, chunk_size: int, top_k: int, tiles: list[int]) -> list[dict
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ckpt", type=Path, help="flexmoba checkpoint (default: random inputs)")
     p.add_argument("--seq_len", type=int, default=8192)
     p.add_argument("--tiles", type=int, nargs="+", default=[128, 64, 32, 16])

@@ -1,6 +1,7 @@
 """Export a flexmoba checkpoint as a Hugging Face ``LlamaForCausalLM`` directory.
 
     flexmoba export-hf --ckpt runs/moba/checkpoints/last.ckpt --out out/hf-moba
+    flexmoba export-hf --ckpt runs/moba/checkpoints/last.ckpt --out out/hf-moba --overwrite true   # replace it
 
 writes ``config.json`` (the Llama architecture plus ``"moba": {"chunk_size", "top_k",
 "full_attention_last_n_layers"}``), the weights (safetensors) and ``generation_config.json``.
@@ -28,6 +29,7 @@ import torch
 
 from flexmoba.checkpoint import load_model, read_checkpoint
 from flexmoba.integrations.export import to_llama
+from lit.cli import checks
 from lit.cli.options import fail, parse_dataclass
 
 DEFAULT_MAX_POSITIONS = 4096
@@ -67,16 +69,17 @@ def write_tokenizer(tokenizer_json: str, vocab_size: int, out: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(out)
 
 
-def export_checkpoint(ckpt: str | Path, out: str | Path, max_position_embeddings: int | None = None,
+def export_checkpoint(ckpt: str | Path | dict, out: str | Path, max_position_embeddings: int | None = None,
                       dtype: str = "float32", tokenizer: str | Path | None = None) -> Path:
-    """Write the ``LlamaForCausalLM`` of checkpoint ``ckpt`` to the folder ``out``; returns ``out``.
+    """Write the ``LlamaForCausalLM`` of checkpoint ``ckpt`` (a path, or its dict) to the folder ``out``;
+    returns ``out``.
 
     ``max_position_embeddings`` defaults to the training ``seq_len`` the checkpoint records
     (or 4096): informational, RoPE runs at any length. ``dtype``: of the written weights
     (the logits match the flexmoba model's in float32). ``tokenizer``: a ``tokenizer.json`` to write
     instead of the checkpoint's own (TokenizerMismatch if its ids exceed the model's vocabulary).
     """
-    checkpoint = read_checkpoint(ckpt)
+    checkpoint = read_checkpoint(ckpt) if not isinstance(ckpt, dict) else ckpt
     seq_len = checkpoint.get("hyper_parameters", {}).get("seq_len")
     model = load_model(checkpoint)
     tokenizer_json = read_tokenizer(tokenizer) if tokenizer is not None else checkpoint_tokenizer(checkpoint)
@@ -98,6 +101,7 @@ class ExportJob:
         max_position_embeddings: config.max_position_embeddings (default: the checkpoint's training seq_len).
         dtype: of the written weights.
         tokenizer: a tokenizer.json to write beside the weights (default: the checkpoint's, if it has one).
+        overwrite: replace what ``out`` holds (without it, a folder that holds files is refused).
     """
 
     ckpt: str
@@ -105,12 +109,15 @@ class ExportJob:
     max_position_embeddings: int | None = None
     dtype: WeightDtype = "float32"
     tokenizer: str | None = None
+    overwrite: bool = False
 
 
 def main(argv: list[str] | None = None) -> Path:
     job = parse_dataclass(ExportJob, argv, prog="flexmoba export-hf", description=__doc__)
+    checkpoint = checks.checkpoint_file("--ckpt", job.ckpt)
+    checks.output_folder("--out", job.out, job.overwrite)
     try:
-        out = export_checkpoint(job.ckpt, job.out, job.max_position_embeddings, job.dtype, job.tokenizer)
+        out = export_checkpoint(checkpoint, job.out, job.max_position_embeddings, job.dtype, job.tokenizer)
     except TokenizerMismatch as error:
         fail("flexmoba export-hf", f"{'--tokenizer' if job.tokenizer else '--ckpt'}: {error}")
     print(f"wrote a LlamaForCausalLM to {out} (load with attn_implementation='flexmoba' after "
@@ -119,4 +126,8 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from lit.cli.main import main as flexmoba
+
+    flexmoba(["export-hf", *sys.argv[1:]])

@@ -19,7 +19,8 @@ import torch
 
 from flexmoba.checkpoint import load_model
 from flexmoba.model import GPT
-from lit.cli.options import parse_dataclass, resolve_device
+from lit.cli import checks
+from lit.cli.options import parse_dataclass
 
 
 @torch.no_grad()
@@ -70,8 +71,9 @@ class GenerateJob:
 
 def main(argv: list[str] | None = None) -> None:
     job = parse_dataclass(GenerateJob, argv, prog="flexmoba generate", description=__doc__)
-    device = resolve_device(job.device)
-    model = load_model(job.ckpt, device)
+    checkpoint = checks.checkpoint_file("--ckpt", job.ckpt)
+    device = checks.device("--device", job.device)
+    model = load_model(checkpoint, device)
     if job.attention:
         model.set_attention_override(job.attention)
     generator = torch.Generator(device=device).manual_seed(job.seed)
@@ -83,4 +85,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from lit.cli.main import main as flexmoba
+
+    flexmoba(["generate", *sys.argv[1:]])

@@ -6,18 +6,19 @@
     flexmoba fit --config configs/full.yaml --trainer.strategy ddp --trainer.devices 2 --trainer.accelerator cpu
 
 The run is built by the one launcher (:mod:`lit.training.launch`); a diverging run stops
-with one line and exit code 1 (:func:`lit.cli.errors.exit_on_divergence`).
+with one line and exit code 1, a mistake with one line and exit code 2 (:mod:`lit.cli.errors`).
 """
 
 from __future__ import annotations
 
-from lit.cli.errors import exit_on_divergence
+from lit.cli.console import quiet_console
+from lit.cli.errors import one_line_errors
 
 
 def main() -> None:
-    from lit.training.launch import run_cli
+    with quiet_console(), one_line_errors():
+        from lit.training.launch import run_cli
 
-    with exit_on_divergence():
         run_cli()
 
 

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import flexmoba
-from lit.cli.errors import exit_on_divergence
-from lit.cli.options import fail
+from lit.cli.console import quiet_console
+from lit.cli.errors import fail, one_line_errors
 
 LIGHTNING = ("fit", "validate", "test", "predict")
 TRAIN_EXTRA = ("lightning", "torchmetrics", "jsonargparse", "yaml", "matplotlib", "tensorboard", "rich")
@@ -45,17 +45,17 @@ def usage() -> str:
 
 def run_benchmark(argv: list[str]) -> None:
     if not argv or argv[0].startswith("-"):
-        fail("flexmoba bench", "name a benchmark: attention, decode, mask_build, train_step, union_density, gpu_check")
+        fail("bench: name a benchmark: attention, decode, mask_build, train_step, union_density, gpu_check")
     checkout = Path(__file__).resolve().parents[2]
     if not (checkout / "benchmarks").is_dir():
-        fail("flexmoba bench", "the benchmarks run from a checkout of the repository (benchmarks/ is not installed)")
+        fail("bench: the benchmarks run from a checkout of the repository (benchmarks/ is not installed)")
     if str(checkout) not in sys.path:
         sys.path.insert(0, str(checkout))
     name = argv[0].replace("-", "_")
     try:
         module = importlib.import_module(f"benchmarks.{name}")
     except ModuleNotFoundError:
-        fail("flexmoba bench", f"no benchmark named {argv[0]!r} (benchmarks/ in the repository root)")
+        fail(f"bench: no benchmark named {argv[0]!r} (benchmarks/ in the repository root)")
     module.main(argv[1:])
 
 
@@ -71,14 +71,14 @@ def main(argv: list[str] | None = None) -> None:
     if name not in SUBCOMMANDS:
         close = difflib.get_close_matches(name, SUBCOMMANDS, n=1)
         hint = f"; did you mean {close[0]}?" if close else "; flexmoba --help lists them"
-        fail("flexmoba", f"unknown subcommand {name!r}{hint}")
+        fail(f"unknown subcommand {name!r}{hint}")
     try:
-        run_subcommand(name, rest)
+        with quiet_console(), one_line_errors():
+            run_subcommand(name, rest)
     except ModuleNotFoundError as error:
         if error.name not in TRAIN_EXTRA:
             raise
-        fail(f"flexmoba {name}", f"needs the training extra ({error.name} is not installed): "
-                                 "pip install 'flexmoba[train]'")
+        fail(f"{name} needs the training extra ({error.name} is not installed): pip install 'flexmoba[train]'")
 
 
 def run_subcommand(name: str, rest: list[str]) -> None:
@@ -91,8 +91,7 @@ def run_subcommand(name: str, rest: list[str]) -> None:
     if name == "bench":
         run_benchmark(rest)
         return
-    with exit_on_divergence():
-        importlib.import_module(SUBCOMMANDS[name][0]).main(rest)
+    importlib.import_module(SUBCOMMANDS[name][0]).main(rest)
 
 
 if __name__ == "__main__":

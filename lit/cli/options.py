@@ -1,8 +1,9 @@
 """Command-line parsing shared by the ``flexmoba`` subcommands that are not LightningCLI.
 
 Every option is a field of one dataclass, parsed by jsonargparse (``--name value``, nested
-dataclasses as ``--model.field value``, ``--config job.yaml``, ``--print_config``). A bad value
-is one line on stderr naming the option, and exit code 2.
+dataclasses as ``--model.field value``, ``--config job.yaml``, ``--print_config``), or an option
+of a :class:`OneLineArgumentParser` (the sweep, the benchmarks). A bad value is one line on stderr
+naming the option, and exit code 2 (:mod:`lit.cli.errors`); options are spelled out (no abbreviations).
 """
 
 from __future__ import annotations
@@ -14,20 +15,9 @@ import sys
 from dataclasses import fields, is_dataclass
 from typing import TypeVar, get_type_hints
 
+from lit.cli.errors import UsageError, fail
+
 T = TypeVar("T")
-
-
-def resolve_device(device: str) -> str:
-    """``"auto"``: CUDA when there is a GPU, else CPU; anything else as given."""
-    import torch
-
-    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-
-
-def fail(prog: str, message: str) -> None:
-    """Print ``prog: error: message`` as one line and exit with code 2."""
-    print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def one_line(error: Exception) -> str:
@@ -58,8 +48,32 @@ def with_suggestion(message: str, options: list[str]) -> str:
     rejected = re.match(r"(--[\w.]+): Option '(\w+)' is not accepted", message)
     typo = (f"{nested[1]}.{nested[2]}" if nested else unknown[1] if unknown
             else f"{rejected[1]}.{rejected[2]}" if rejected else None)
-    close = difflib.get_close_matches(typo, options, n=1) if typo else []
-    return f"{message}; did you mean {close[0]}?" if close else message
+    close = nearest_option(typo, options) if typo else None
+    return f"{message}; did you mean {close}?" if close else message
+
+
+def nearest_option(typo: str, options: list[str]) -> str | None:
+    """The option ``typo`` most likely means: the closest whole name, else the closest last part
+    (``--step`` -> ``--trainer.max_steps``)."""
+    options = [name for name in options if name not in ("--help", "-h")]
+    close = difflib.get_close_matches(typo, options, n=1)
+    if close:
+        return close[0]
+    last_parts = {name.rsplit(".", 1)[-1].lstrip("-"): name for name in options}
+    close = difflib.get_close_matches(typo.rsplit(".", 1)[-1].lstrip("-"), last_parts, n=1)
+    return last_parts[close[0]] if close else None
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse with options spelled out and every error one ``flexmoba: error:`` line, exit code 2."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **{**kwargs, "allow_abbrev": False})
+
+    def error(self, message: str):
+        options = [name for action in self._actions for name in action.option_strings]
+        fail(with_suggestion(message, options))
 
 
 def to_dataclass(cls: type[T], namespace) -> T:
@@ -75,15 +89,17 @@ def parse_dataclass(cls: type[T], argv: list[str] | None, *, prog: str, descript
     """Parse ``argv`` into a ``cls`` instance; any error exits 2 with one line."""
     from jsonargparse import ArgumentParser  # the train extra; flexmoba --version works without it
 
-    parser = ArgumentParser(prog=prog, description=description.replace("%", "%%"), exit_on_error=False,
+    parser = ArgumentParser(prog=prog, description=description, exit_on_error=False, allow_abbrev=False,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", action="config", help="a YAML file of these options")
     parser.add_class_arguments(cls, None, as_group=False)
     try:
         namespace = parser.parse_args(sys.argv[1:] if argv is None else argv)
     except argparse.ArgumentError as error:
-        fail(prog, with_suggestion(one_line(error), option_names(cls)))
+        fail(with_suggestion(one_line(error), option_names(cls)))
     try:
         return to_dataclass(cls, namespace)
+    except UsageError:
+        raise
     except (TypeError, ValueError) as error:
-        fail(prog, one_line(error))
+        fail(one_line(error))

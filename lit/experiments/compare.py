@@ -1,9 +1,9 @@
 """Main job: train MoBA and full attention on the same budget and compare them.
 
     flexmoba compare                                  # the default budget, minutes on 2 CPU cores
-    flexmoba compare --seeds 3                        # three seeds per attention kind: mean ± std
+    flexmoba compare --seeds 3 --out runs/compare-3seeds   # three seeds per attention kind: mean ± std
     flexmoba compare --trainer.max_steps 2 --data.max_files 5 --data.seq_len 128 --out /tmp/cmp   # smoke run
-    flexmoba compare --model.config.moba.top_k 2 --model.config.d_model 256    # any `flexmoba fit` option
+    flexmoba compare --model.config.moba.top_k 2 --model.config.d_model 256 --out runs/compare-top2   # any fit option
 
 It takes every option of ``flexmoba fit`` with the same spelling (``--config`` files too) and
 three of its own: ``--seeds`` (runs per attention kind, seeded ``seed_everything + i``; the
@@ -33,7 +33,7 @@ import torch
 from jsonargparse import DefaultHelpFormatter
 
 from flexmoba.model import ModelConfig
-from lit.cli.options import fail
+from lit.cli.errors import fail
 from lit.training import metric_names as names
 from lit.training.launch import fit_and_validate, read_config
 
@@ -78,11 +78,15 @@ def complete_budget(config) -> None:
     position windows a quarter of the sequence, bf16 on a GPU."""
     for name in ("seeds", "final_val_batches"):
         if config[name] < 1:
-            fail("flexmoba", f"--{name}: must be a positive int, got {config[name]}")
+            fail(f"--{name}: must be a positive int, got {config[name]}")
     trainer, model, data = config.trainer, config.model, config.data.init_args
+    attention = (model.config or {}).get("attention", "moba")
+    if attention != "moba":
+        fail(f"--model.config.attention: compare trains both kinds (moba and full), got {attention!r}; drop it, "
+             "or train one kind with flexmoba fit")
     steps = trainer.max_steps
     if not isinstance(steps, int) or steps < 1:
-        fail("flexmoba", f"--trainer.max_steps: must be a positive int, got {steps!r}")
+        fail(f"--trainer.max_steps: must be a positive int, got {steps!r}")
     trainer.val_check_interval = trainer.val_check_interval or min(steps, max(1, steps // 5))
     trainer.check_val_every_n_epoch = None
     model.warmup_steps = max(1, steps // 10) if model.warmup_steps is None else model.warmup_steps
@@ -119,11 +123,13 @@ def claim_folder(study: dict) -> None:
     recorded = study
     if settings.exists():
         if json.loads(settings.read_text()) != json.loads(json.dumps(recorded)):
-            fail("flexmoba", f"--out: {out} holds a compare study with other settings; give another --out, "
-                             "or the same arguments to resume it")
+            fail(f"--out: {out} holds a compare study with other settings; give another --out, "
+                 "or the same arguments to resume it")
         return
+    if out.exists() and not out.is_dir():
+        fail(f"--out: {out} is a file, not a folder; give a folder for the study")
     if out.exists() and any(out.iterdir()):
-        fail("flexmoba", f"--out: {out} exists and is not a compare study's folder; give another --out")
+        fail(f"--out: {out} exists and is not a compare study's folder; give another --out")
     out.mkdir(parents=True, exist_ok=True)
     settings.write_text(json.dumps(recorded, indent=2))
 
@@ -162,7 +168,7 @@ def train_one(study: dict, attention: str, seed: int) -> dict:
     if done.exists():
         print(f"[compare] {attention} (seed {seed}): done, skipped", flush=True)
         return json.loads(done.read_text())
-    resume = (folder / "checkpoints" / "last.ckpt").exists()
+    resume = any((folder / "checkpoints").glob("*.ckpt"))  # killed between step and last checkpoint: resumes too
     print(f"[compare] {attention} (seed {seed}): {'resuming' if resume else 'training'} -> {folder}", flush=True)
     cli, final = fit_and_validate(run_config(study, attention, seed), resume=resume,
                                   limit_val_batches=study["final_val_batches"])
@@ -293,9 +299,18 @@ def run(study: dict) -> Path:
     (out / "results.md").write_text(report)
     plot(results, out)
     print(report)
-    print(f"[compare] results: {out / 'results.md'}; plots: {out / 'val_loss.png'}, {out / 'loss_by_position.png'}; "
-          f"checkpoints and logs: {out}/<attention>/seed<N>/")
+    print(summary_line(study, results), flush=True)
     return out
+
+
+def summary_line(study: dict, results: list[dict]) -> str:
+    """The line the study ends with: each kind's final validation loss, where the report, checkpoints and logs are."""
+    out = Path(study["out"])
+    losses = ", ".join(f"{attention} {fmt([r['final'][names.loss('val')] for r in runs], '.4f')}"
+                       for attention, runs in by_attention(results).items())
+    return (f"flexmoba: compare done: val/loss {losses} ({study['final_val_batches']} batches); report "
+            f"{out / 'results.md'} (plots beside it); checkpoints {out}/<attention>/seed<N>/checkpoints/last.ckpt; "
+            f"logs {out}/<attention>/seed<N>/csv, tb")
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -305,4 +320,8 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from lit.cli.main import main as flexmoba
+
+    flexmoba(["compare", *sys.argv[1:]])

@@ -17,11 +17,12 @@ gradient. A query is *answered* when every value byte is the argmax under teache
 from the end of the sequence back to the pair block, ``distance`` tokens away; MoBA's router
 must select the chunk holding the pair for that.
 
-    flexmoba retrieval evaluate --ckpt runs/retrieval-moba/checkpoints/last.ckpt --out docs/retrieval/moba
+    flexmoba retrieval evaluate --ckpt runs/retrieval-moba/checkpoints/last.ckpt --out out/retrieval/moba
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import string
 import sys
@@ -35,7 +36,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from flexmoba.checkpoint import load_model, read_checkpoint
-from lit.cli.options import fail, parse_dataclass, resolve_device
+from lit.cli import checks
+from lit.cli.errors import fail
+from lit.cli.options import parse_dataclass
 from lit.training.metrics import IGNORE_INDEX
 
 KEY_BYTES = np.frombuffer(string.ascii_uppercase.encode(), dtype=np.uint8)
@@ -192,7 +195,8 @@ class RetrievalData(L.LightningDataModule):
             with thousands of samples a small model sees each only a few times).
         val_size: validation samples (depths spread over ``depth_range``).
         eval_lengths, eval_depths: the grid of :func:`evaluate_retrieval` (lengths above
-            ``seq_len`` test length generalisation).
+            ``seq_len`` test length generalisation); default lengths a quarter, half and all of
+            ``seq_len``, those shorter than the task's minimum left out.
         eval_samples: samples per grid cell.
         seed: data seed; train, val and evaluation use disjoint derived seeds.
     """
@@ -222,7 +226,8 @@ class RetrievalData(L.LightningDataModule):
         self.seq_len, self.batch_size, self.num_workers, self.seed = seq_len, batch_size, num_workers, seed
         self.depth_range = (float(depth_range[0]), float(depth_range[1]))
         self.train_size, self.val_size = train_size, val_size
-        self.eval_lengths = list(eval_lengths or [seq_len // 4, seq_len // 2, seq_len])
+        default_lengths = [n for n in (seq_len // 4, seq_len // 2) if n >= self.task.min_length()] + [seq_len]
+        self.eval_lengths = list(eval_lengths or default_lengths)
         self.eval_depths = list(eval_depths or [0.0, 0.25, 0.5, 0.75, 1.0])
         self.eval_samples = eval_samples
 
@@ -337,13 +342,23 @@ def write_report(rows: list[dict], out_dir: str | Path, title: str) -> Path:
     return out
 
 
-def load_run(path: str | Path, model_overrides: dict, data_overrides: dict):
-    """``(GPT, RetrievalData)`` of a retrieval run's checkpoint (CPU, eval mode), each built with
+def retrieval_data_arguments(checkpoint: dict) -> dict:
+    """The ``RetrievalData`` arguments of the run that wrote ``checkpoint``: its own data module's if it
+    trained on retrieval, else the task's defaults at the run's training length (e.g. a compare run,
+    trained on text, evaluated on the recall task as it is)."""
+    saved = {k: v for k, v in (checkpoint.get("datamodule_hyper_parameters") or {}).items() if not k.startswith("_")}
+    if saved and set(saved) <= set(inspect.signature(RetrievalData).parameters):
+        return saved
+    seq_len = checkpoint.get("hyper_parameters", {}).get("seq_len") or saved.get("seq_len")
+    return {"seq_len": seq_len} if seq_len else {}
+
+
+def load_run(path: str | Path | dict, model_overrides: dict, data_overrides: dict):
+    """``(GPT, RetrievalData)`` of a checkpoint (a path, or its dict; CPU, eval mode), each built with
     its overrides (``ModelConfig`` fields; ``RetrievalData`` arguments)."""
-    checkpoint = read_checkpoint(path)
-    saved = checkpoint.get("datamodule_hyper_parameters") or {}
-    data_hparams = {k: v for k, v in saved.items() if not k.startswith("_")}
-    return load_model(checkpoint, **model_overrides), RetrievalData(**{**data_hparams, **data_overrides})
+    checkpoint = read_checkpoint(path) if not isinstance(path, dict) else path
+    data = RetrievalData(**{**retrieval_data_arguments(checkpoint), **data_overrides})
+    return load_model(checkpoint, **model_overrides), data
 
 
 def given(**values) -> dict:
@@ -366,6 +381,7 @@ class EvaluateJob:
         moba_chunk_size: evaluate with another MoBA chunk size.
         moba_top_k: evaluate with another MoBA top-k.
         device: auto (CUDA when there is a GPU), cpu, cuda, ...
+        overwrite: replace what ``out`` holds (without it, a folder that holds files is refused).
     """
 
     ckpt: str
@@ -378,6 +394,7 @@ class EvaluateJob:
     moba_chunk_size: int | None = None
     moba_top_k: int | None = None
     device: str = "auto"
+    overwrite: bool = False
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -385,14 +402,17 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] in (["-h"], ["--help"]):
         argv = ["evaluate", "--help"]  # the only subcommand
     if not argv or argv[0] != "evaluate":
-        fail("flexmoba retrieval", "the subcommand is evaluate: flexmoba retrieval evaluate --ckpt PATH --out DIR")
+        fail("retrieval: the subcommand is evaluate: flexmoba retrieval evaluate --ckpt PATH --out DIR")
     job = parse_dataclass(EvaluateJob, argv[1:], prog="flexmoba retrieval evaluate", description=__doc__)
+    checkpoint = checks.checkpoint_file("--ckpt", job.ckpt)
+    checks.output_folder("--out", job.out, job.overwrite)
+    device = checks.device("--device", job.device)
     model, data = load_run(
-        job.ckpt,
+        checkpoint,
         given(moba=given(chunk_size=job.moba_chunk_size, top_k=job.moba_top_k) or None),
         given(eval_lengths=job.lengths, eval_depths=job.depths, eval_samples=job.samples),
     )
-    model.to(resolve_device(job.device))
+    model.to(device)
     if job.attention:
         model.set_attention_override(job.attention)
     cfg, kinds = model.config, model.layer_attention()
@@ -405,4 +425,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from lit.cli.main import main as flexmoba
+
+    flexmoba(["retrieval", *sys.argv[1:]])

@@ -31,7 +31,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from lit.cli.options import fail, parse_dataclass
+from lit.cli.errors import fail
+from lit.cli.options import parse_dataclass
 from lit.experiments.scaling_law import PowerLaw, crossover, fit_power_law, t_975
 from lit.training import metric_names
 
@@ -543,5 +544,5 @@ def main(argv: list[str] | None = None) -> None:
     try:
         report = write_report(Path(job.sweep_dir), job.bootstrap, job.report_dir)
     except ValueError as error:
-        fail("flexmoba scaling-report", str(error))
+        fail(f"--sweep_dir: {error}")
     print(f"report: {report}")

@@ -24,7 +24,6 @@ evenly over the processes, so a sweep gives the same runs on any number of proce
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -36,6 +35,8 @@ import torch.distributed as dist
 import yaml
 
 from flexmoba.model import ModelConfig
+from lit.cli.errors import fail
+from lit.cli.options import OneLineArgumentParser
 from lit.experiments.scaling_law import pflops_days
 
 RUN_OVERHEAD_SECONDS = 15.0  # starting Lightning, mapping the corpus, writing checkpoints: per run, in --plan
@@ -446,7 +447,7 @@ def plan_runs(spec: SweepSpec) -> list[tuple[str, dict | None]]:
                                  "config now asks for; use a new out_dir or delete that run's folder")
             plan.append(("done", result))
         else:
-            plan.append(("resume" if (run.folder / "checkpoints" / "last.ckpt").exists() else "start", None))
+            plan.append(("resume" if any((run.folder / "checkpoints").glob("*.ckpt")) else "start", None))
     return plan
 
 
@@ -488,19 +489,21 @@ def print_plan(spec: SweepSpec) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="flexmoba sweep", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineArgumentParser(prog="flexmoba sweep", description=__doc__)
     parser.add_argument("config", type=Path, help="sweep YAML, e.g. configs/sweep/toy.yaml")
     parser.add_argument("--report_only", "--report-only", action="store_true",
                         help="only rebuild the report from finished runs")
     parser.add_argument("--plan", action="store_true", help="print the runs, their steps, compute, minutes; exit")
     args = parser.parse_args(argv)
 
-    spec = SweepSpec.from_yaml(args.config)
+    spec = read_spec(args.config)
     if args.plan:
         print_plan(spec)
         return
     processes = Processes.from_env()
+    if args.report_only and not list(Path(spec.out_dir).glob("*/result.json")):
+        fail(f"--report_only: no finished runs in {spec.out_dir} (the sweep's out_dir) to report on; "
+             f"run the sweep first: flexmoba sweep {args.config}")
     if not args.report_only:
         run_sweep(spec, processes)
     if not processes.is_main:
@@ -508,8 +511,24 @@ def main(argv: list[str] | None = None) -> None:
     from lit.experiments.scaling_report import write_report
 
     report = write_report(Path(spec.out_dir), report_dir=spec.report_dir)
-    print(f"report: {report}")
+    copied = f" (copied to {spec.report_dir})" if spec.report_dir else ""
+    print(f"flexmoba: sweep done: report {report}{copied}; runs, checkpoints and logs in {spec.out_dir}/<run>/")
+
+
+def read_spec(path: Path) -> SweepSpec:
+    """The sweep YAML at ``path``; a missing file or a bad key is one line naming it."""
+    if not path.is_file():
+        fail(f"config: {path} {'is a folder' if path.is_dir() else 'does not exist'}; give a sweep YAML, "
+             "e.g. configs/sweep/toy.yaml")
+    try:
+        return SweepSpec.from_yaml(path)
+    except (ValueError, TypeError, yaml.YAMLError) as error:
+        fail(f"config: {error}")
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from lit.cli.main import main as flexmoba
+
+    flexmoba(["sweep", *sys.argv[1:]])

@@ -590,7 +590,8 @@ class ByteFilesData(L.LightningDataModule):
     def load_state_dict(self, state: dict) -> None:
         fingerprint = state.get("fingerprint")
         if fingerprint and self.fingerprint and fingerprint != self.fingerprint:
-            raise ValueError(
+            raise CorpusError(
+                "root",
                 f"checkpoint was trained on corpus fingerprint {fingerprint}, but the configured data has "
                 f"{self.fingerprint}; use the same root/patterns/max_files/max_bytes/seq_len"
             )

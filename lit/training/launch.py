@@ -25,7 +25,6 @@ import inspect
 import logging
 import os
 import re
-import sys
 import warnings
 from pathlib import Path
 
@@ -33,10 +32,11 @@ import lightning as L
 from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_only
 
 from flexmoba.checkpoint import checkpoint_config, read_checkpoint
 from flexmoba.model import ModelConfig
+from lit.cli import checks
+from lit.cli.errors import UsageError, fail, is_rank_zero
 from lit.cli.options import option_names, with_suggestion
 from lit.training import metric_names as names
 from lit.training.data import ByteFilesData, CorpusError
@@ -44,11 +44,13 @@ from lit.training.guards import (
     AtomicCheckpointIO,
     DivergenceGuard,
     SafeModelCheckpoint,
+    checkpoint_problem,
     newest_intact_checkpoint,
 )
 from lit.training.metrics import position_windows, trailing_window
 from lit.training.module import LitLM
 from lit.training.predictions import JsonlPredictionWriter
+from lit.training.progress import run_summary, say, with_own_display
 
 
 def checkpoint_dir(default_root_dir: str | None) -> str:
@@ -112,8 +114,7 @@ class OneLineErrorParser(LightningArgumentParser):
     def error(self, message: str, ex: Exception | None = None):
         if not self.exit_on_error:
             super().error(message, ex)
-        sys.stderr.write(f"flexmoba: error: {with_suggestion(one_line_error(message), self.option_names())}\n")
-        self.exit(2)
+        fail(with_suggestion(one_line_error(message), self.option_names()))
 
     def option_names(self) -> list[str]:
         """Every option this parser takes, the model config's and the default data module's included."""
@@ -154,6 +155,10 @@ def config_problem(config: Namespace) -> str | None:
         problem = model_config_problem(as_dict(fields.get("init_args", fields)))
         if problem:
             return problem
+    for name, rule, holds in (("lr", "a positive float", lambda v: v > 0),
+                              ("warmup_steps", "an int >= 0", lambda v: v >= 0)):
+        if model.get(name) is not None and not holds(model[name]):
+            return f"--model.{name}: must be {rule}, got {model[name]!r}"
     window_checks = (("position_window", position_windows), ("trailing_window", trailing_window))
     for name, check in window_checks:
         if name in model:
@@ -202,10 +207,94 @@ def model_mismatch(path: str, config: ModelConfig) -> str | None:
     return ", ".join(differ) or None
 
 
-@rank_zero_only
-def say(message: str) -> None:
-    """One ``flexmoba: ...`` line on stderr from rank 0, shown even when Python warnings are silenced."""
-    sys.stderr.write(f"flexmoba: {message}\n")
+def parsed_model_config(config: Namespace) -> ModelConfig:
+    """The ``ModelConfig`` a parsed config builds (its values already checked)."""
+    model = as_dict(config.get("model"))
+    fields = model.get("init_args", model).get("config")
+    return ModelConfig(**as_dict(fields.get("init_args", fields))) if fields else ModelConfig()
+
+
+def processes_of(trainer: dict) -> int | None:
+    """How many processes the Trainer settings start (None when Lightning decides, e.g. ``devices: auto``)."""
+    devices, nodes = trainer.get("devices", "auto"), trainer.get("num_nodes", 1) or 1
+    if isinstance(devices, (list, tuple)):
+        return len(devices) * nodes
+    if isinstance(devices, str) and devices.isdigit():
+        devices = int(devices)
+    if devices == "auto":
+        import torch
+
+        on_cuda = trainer.get("accelerator") in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+        devices = torch.cuda.device_count() if on_cuda else 1 if trainer.get("accelerator") in ("auto", "cpu") else None
+    return devices * nodes if isinstance(devices, int) and devices > 0 else None
+
+
+def trainer_problem(trainer: dict) -> str | None:
+    """Why the Trainer settings cannot run on this machine, naming the option, or None."""
+    try:
+        checks.accelerator("--trainer.accelerator", trainer.get("accelerator"))
+    except UsageError as error:
+        return str(error)
+    root = trainer.get("default_root_dir")
+    if root and os.path.isfile(root):
+        return f"--trainer.default_root_dir: {root} is a file, not a folder; give a folder for the run"
+    strategy = as_dict(trainer.get("strategy")) if not isinstance(trainer.get("strategy"), str) else {}
+    mesh = as_dict(strategy.get("init_args"))
+    sizes = [mesh.get("data_parallel_size"), mesh.get("tensor_parallel_size", 1)]
+    processes = processes_of(trainer)
+    if strategy.get("class_path", "").endswith("ModelParallelStrategy") and all(isinstance(n, int) for n in sizes) \
+            and processes is not None and sizes[0] * sizes[1] != processes:
+        return (f"--trainer.strategy.init_args.data_parallel_size: {sizes[0]} x tensor_parallel_size {sizes[1]} "
+                f"must equal the processes started ({processes}: --trainer.devices x --trainer.num_nodes); pass "
+                f"--trainer.devices {sizes[0] * sizes[1]}, or --trainer.strategy.init_args.data_parallel_size "
+                f"{processes // sizes[1] or 1}")
+    return None
+
+
+def resolve_last(config: Namespace, subcommand: str) -> str:
+    """``--ckpt_path last``: the newest intact checkpoint of the run folder. A truncated one newer than it is
+    skipped; when a fit resumes, a skipped ``last.ckpt`` is set aside so the fit writes a new one there."""
+    folder = checkpoint_dir(config.trainer.get("default_root_dir"))
+    chosen, skipped = newest_intact_checkpoint(folder) if os.path.isdir(folder) else (None, {})
+    if chosen is None and skipped:
+        raise UsageError("--ckpt_path", f"last: no usable checkpoint in {folder}: "
+                         + "; ".join(f"{p.name} ({why})" for p, why in skipped.items()),
+                         "drop --ckpt_path to start from scratch in another --trainer.default_root_dir")
+    if chosen is None:
+        fix = ("drop --ckpt_path to train from scratch" if subcommand == "fit" else
+               "train it first (flexmoba fit with the same --config files), or give --ckpt_path PATH")
+        raise UsageError("--ckpt_path", f"last: nothing to resume, no checkpoint in {folder}", fix)
+    for path in skipped:
+        set_aside = subcommand == "fit" and path.name == "last.ckpt"
+        if set_aside and is_rank_zero():
+            path.replace(path.with_name("last.ckpt.unreadable"))
+        say(f"warning: --ckpt_path last: skipped unreadable {path.name}"
+            + (" (moved to last.ckpt.unreadable)" if set_aside else "")
+            + f"; using {chosen.name}, the newest intact checkpoint in {folder}")
+    return str(chosen)
+
+
+def checkpoint_to_use(config: Namespace, subcommand: str) -> str | None:
+    """The checkpoint the subcommand's ``--ckpt_path`` names (``last`` resolved), checked against the
+    config; :class:`UsageError` if it cannot be used. Evaluating without one is refused: it would score
+    random weights."""
+    ckpt_path = config.get("ckpt_path")
+    if ckpt_path is None:
+        if subcommand == "fit":
+            return None
+        raise UsageError("--ckpt_path", f"{subcommand} without a checkpoint would score an untrained model",
+                         "pass --ckpt_path last (the run folder's newest) or --ckpt_path PATH")
+    if ckpt_path == "last":
+        ckpt_path = resolve_last(config, subcommand)
+    if os.path.isdir(ckpt_path) and checkpoint_problem(ckpt_path) is None:
+        return ckpt_path  # a sharded checkpoint folder: Lightning's strategy reads it
+    checks.checkpoint_file("--ckpt_path", ckpt_path)
+    mismatch = model_mismatch(ckpt_path, parsed_model_config(config))
+    if mismatch:
+        raise UsageError("--ckpt_path", f"{ckpt_path} holds another model ({mismatch})",
+                         "pass the --config files and --model.config options it was trained with, "
+                         "or another checkpoint")
+    return ckpt_path
 
 
 class FlexMobaCLI(LightningCLI):
@@ -228,14 +317,21 @@ class FlexMobaCLI(LightningCLI):
         parser.link_arguments("data.init_args.seq_len", "model.seq_len")
 
     def parse_arguments(self, parser, args) -> None:
-        """Parse, then refuse invalid values before anything is seeded or built."""
+        """Parse, then refuse invalid values and unusable checkpoints before anything is seeded or built."""
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
         config = self.config[subcommand] if subcommand else self.config
         self.complete(config)
-        problem = follow_data_vocabulary(config) or config_problem(config)
+        problem = follow_data_vocabulary(config) or config_problem(config) or trainer_problem(
+            as_dict(config.get("trainer")))
         if problem:
             parser.error(problem)
+        try:
+            # ``last`` stays in the config until the run starts: only an explicit path makes Lightning
+            # take the model's hyperparameters from the checkpoint.
+            self.checkpoint = checkpoint_to_use(config, subcommand) if subcommand else None
+        except UsageError as error:
+            parser.error(str(error))
 
     def complete(self, config: Namespace) -> None:
         """Fill in values that depend on others (a hook for jobs that read configs)."""
@@ -248,25 +344,7 @@ class FlexMobaCLI(LightningCLI):
                                                self._get(self.config_init, "default_loggers", default=True))
         if not trainer_config.get("plugins") and "plugins" not in kwargs:
             kwargs["plugins"] = [AtomicCheckpointIO()]
-        return super().instantiate_trainer(**kwargs)
-
-    def resolve_last_checkpoint(self) -> None:
-        """``ckpt_path: last`` names the newest intact checkpoint (a truncated last.ckpt is skipped)."""
-        config = self.config_init[self.subcommand]
-        if config.get("ckpt_path") != "last" or self.trainer.checkpoint_callback is None:
-            return
-        folder = self.trainer.checkpoint_callback.dirpath
-        if not folder or not os.path.isdir(folder):
-            return  # nothing saved yet: Lightning warns and starts from scratch
-        chosen, skipped = newest_intact_checkpoint(folder)
-        if chosen is None and skipped:
-            self.parser.error(f"--ckpt_path last: no usable checkpoint in {folder}: "
-                              + "; ".join(f"{p.name} ({why})" for p, why in skipped.items()))
-        if chosen is not None:
-            if skipped:
-                say(f"warning: --ckpt_path last: skipped unreadable {', '.join(p.name for p in skipped)}; "
-                          f"using {chosen.name}, the newest intact checkpoint in {folder}")
-            config["ckpt_path"] = str(chosen)
+        return with_own_display(super().instantiate_trainer(**kwargs))
 
     def check_data(self) -> None:
         """A corpus that cannot work (no files, patterns matching nothing, files too short) is one
@@ -280,8 +358,8 @@ class FlexMobaCLI(LightningCLI):
             self.parser.error(f"--data.{error.option}: {error}")
 
     def check_run_folder(self) -> None:
-        """One run folder holds one model: a fresh fit into a folder with checkpoints is refused,
-        and a checkpoint of another shape is refused before Lightning's size-mismatch traceback."""
+        """One run folder holds one model: a fresh fit into a folder with checkpoints is refused (a checkpoint
+        of another shape was refused at parse time, before Lightning's size-mismatch traceback)."""
         config = self.config_init[self.subcommand]
         ckpt_path, callback = config.get("ckpt_path"), self.trainer.checkpoint_callback
         folder = Path(callback.dirpath) if callback is not None and callback.dirpath else None
@@ -290,20 +368,35 @@ class FlexMobaCLI(LightningCLI):
             self.parser.error(f"--trainer.default_root_dir: {root} already holds a run's checkpoints "
                               f"({', '.join(sorted(p.name for p in folder.glob('*.ckpt')))}); resume it with "
                               "--ckpt_path last, or give another --trainer.default_root_dir")
-        if ckpt_path is None or not os.path.isfile(ckpt_path) or not isinstance(self.model, LitLM):
-            return
-        mismatch = model_mismatch(ckpt_path, self.model.config)
-        if mismatch:
-            self.parser.error(f"--ckpt_path: {ckpt_path} holds another model ({mismatch}); "
-                              "pass the config it was trained with, or another --trainer.default_root_dir")
-        say(f"loading {ckpt_path}")
+        if self.subcommand == "predict":
+            self.check_predictions_folder()
+
+    def check_predictions_folder(self) -> None:
+        """Predictions of an earlier predict are not replaced: the folder must hold none."""
+        writers = [c for c in self.trainer.callbacks if isinstance(c, JsonlPredictionWriter)]
+        given = writers[0].output_dir if writers else None
+        folder = Path(given or Path(self.trainer.default_root_dir) / "predictions")
+        earlier = sorted(p.name for p in folder.glob("predictions-rank*.jsonl"))
+        if earlier:
+            self.parser.error(f"--predictions.output_dir: {folder} already holds predictions ({', '.join(earlier)}); "
+                              "give another --predictions.output_dir, or delete them to predict again")
 
     def before_subcommand(self) -> None:
+        self.config_init[self.subcommand]["ckpt_path"] = self.checkpoint
         self.check_data()
-        self.resolve_last_checkpoint()
         self.check_run_folder()
 
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except CorpusError as error:  # e.g. a checkpoint of another corpus, found when Lightning restores it
+            self.parser.error(f"--data.{error.option}: {error}")
+
+    def after_subcommand(self) -> None:
+        say(run_summary(self.trainer, self.subcommand, self.checkpoint))
+
     before_fit = before_validate = before_test = before_predict = before_subcommand
+    after_fit = after_validate = after_test = after_predict = after_subcommand
 
 
 def run_cli(args: list[str] | None = None) -> FlexMobaCLI:

@@ -68,7 +68,7 @@ main(sys.argv[1:])
 
 @pytest.mark.parametrize("argv, code, stream, text", [
     (["--version"], 0, "stdout", f"flexmoba {flexmoba.__version__}"),
-    (["compare", "--help"], 2, "stderr", "flexmoba compare: error: needs the training extra"),
+    (["compare", "--help"], 2, "stderr", "flexmoba: error: compare needs the training extra"),
     (["fit", "--config", "x.yaml"], 2, "stderr", "pip install 'flexmoba[train]'"),
 ])
 def test_without_the_training_extra_the_command_says_what_to_install(argv, code, stream, text):

@@ -246,7 +246,7 @@ def test_two_process_sweep_writes_the_runs_of_a_one_process_sweep(tmp_path, corp
     for processes in (1, 2):
         done = sweep(processes)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    for line in ("a-moba: starting", "a-full: starting", "report: "):
+    for line in ("a-moba: starting", "a-full: starting", "sweep done: report "):
         assert done.stdout.count(line) == 1, done.stdout  # printed by rank 0 only
     assert_same_runs(sweep_rows(tmp_path / "sweep-2"), sweep_rows(tmp_path / "sweep-1"))
 

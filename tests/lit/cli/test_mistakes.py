@@ -1,0 +1,176 @@
+"""Every user mistake, in every subcommand, is one line on stderr naming the option, and exit code 2.
+
+The table runs as real processes of the command: one warm process imports it once and forks a child per
+command line (``forked_commands.py``); a few run as fresh subprocesses of the installed entry point, to
+show that the fork changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[3]
+CONFIGS = REPO / "configs"
+DRIVER = Path(__file__).with_name("forked_commands.py")
+TINY = ["--config", str(CONFIGS / "moba.yaml"), "--config", str(CONFIGS / "tiny.yaml"),
+        "--trainer.enable_progress_bar", "false"]
+NO_CUDA = not torch.cuda.is_available()
+
+
+def tiny(root: str, *extra: str) -> list[str]:
+    return [*TINY, "--trainer.default_root_dir", root, *extra]
+
+
+# (command line, what the one line must say). Paths: {run} holds a trained tiny run, {empty} is a folder
+# with nothing in it yet, {file} is a plain file, {junk} a file named .ckpt that is not one, {held} a
+# folder that holds output, {corpus} another corpus, {missing} a path that does not exist.
+MISTAKES = [
+    # fit / validate / test / predict
+    (["fit", *tiny("{empty}/a", "--trainer.max_step", "3")], "did you mean --trainer.max_steps?"),
+    (["fit", *tiny("{empty}/a", "--model.lr", "-1")], "--model.lr: must be a positive float, got -1.0"),
+    (["fit", *tiny("{empty}/a", "--model.config.moba.chunk_size", "100", "--model.config.moba.granularity", "64")],
+     "--model.config.moba.granularity: granularity=64 must divide chunk_size=100"),
+    (["fit", *tiny("{empty}/a", "--data.seq_len", "0")], "--data.seq_len: must be a positive int"),
+    (["fit", *tiny("{file}")], "--trainer.default_root_dir: {file} is a file, not a folder"),
+    (["fit", *tiny("{empty}/a", "--config", str(CONFIGS / "fsdp2.yaml"))],
+     "--trainer.strategy.init_args.data_parallel_size: 2 x tensor_parallel_size 1 must equal the processes"),
+    (["fit", *tiny("{empty}/a", "--ckpt_path", "last")], "--ckpt_path: last: nothing to resume"),
+    (["fit", *tiny("{run}")], "--trainer.default_root_dir: {run} already holds a run's checkpoints"),
+    (["fit", *tiny("{empty}/a", "--data.root", "{missing}")], "--data.root: root='{missing}' does not exist"),
+    (["validate", *tiny("{empty}/a", "--ckpt_path", "last")], "--ckpt_path: last: nothing to resume"),
+    (["validate", *tiny("{run}")], "--ckpt_path: validate without a checkpoint would score an untrained model"),
+    (["test", *tiny("{run}")], "--ckpt_path: test without a checkpoint would score an untrained model"),
+    (["validate", *tiny("{empty}/a", "--ckpt_path", "{missing}")], "--ckpt_path: {missing} does not exist"),
+    (["validate", *tiny("{empty}/a", "--ckpt_path", "{junk}")], "--ckpt_path: {junk} is not a checkpoint"),
+    (["validate", *tiny("{empty}/a", "--ckpt_path", "{run}/checkpoints/last.ckpt", "--data.root", "{corpus}")],
+     "--data.root: checkpoint was trained on corpus fingerprint"),
+    (["validate", *tiny("{empty}/a", "--ckpt_path", "{run}/checkpoints/last.ckpt", "--model.config.d_model", "64")],
+     "holds another model (d_model 32 != 64"),
+    (["predict", *tiny("{run}", "--ckpt_path", "last", "--trainer.max_steps", "x")],
+     "--trainer.max_steps: must be int, got 'x'"),
+    (["predict", *tiny("{run}", "--ckpt_path", "last")],
+     "--predictions.output_dir: {run}/predictions already holds predictions (predictions-rank0.jsonl)"),
+    # compare
+    (["compare", "--step", "5", "--out", "{empty}/c"], "unrecognized arguments: --step 5; did you mean --seeds?"),
+    (["compare", "--model.config.attention", "full", "--out", "{empty}/c"],
+     "--model.config.attention: compare trains both kinds"),
+    (["compare", "--model.config.moba.chunk_size", "100", "--model.config.moba.granularity", "64", "--out",
+      "{empty}/c"], "--model.config.moba.granularity: granularity=64 must divide chunk_size=100"),
+    (["compare", "--out", "{file}"], "--out: {file} is a file, not a folder"),
+    (["compare", "--seeds", "0", "--out", "{empty}/c"], "--seeds: must be a positive int, got 0"),
+    # generate
+    (["generate", "--ckpt", "{missing}"], "--ckpt: {missing} does not exist"),
+    (["generate", "--ckpt", "{junk}"], "--ckpt: {junk} is not a checkpoint"),
+    (["generate", "--ckpt", "{run}"], "--ckpt: {run} is a folder; give a checkpoint file in it"),
+    (["generate", "--ckpt", "{run}/checkpoints/last.ckpt", "--max_new_bytes", "-1"], "must be >= 0"),
+    (["generate", "--ckpt", "{run}/checkpoints/last.ckpt", "--temp", "0.5"], "unrecognized arguments: --temp"),
+    # export-hf
+    (["export-hf", "--ckpt", "{missing}", "--out", "{empty}/hf"], "--ckpt: {missing} does not exist"),
+    (["export-hf", "--ckpt", "{run}/checkpoints/last.ckpt", "--out", "{held}"],
+     "--out: {held} already holds output (earlier.md); pass --overwrite true to replace it"),
+    (["export-hf", "--ckpt", "{run}/checkpoints/last.ckpt", "--out", "{file}"], "--out: {file} is a file"),
+    # retrieval
+    (["retrieval", "evaluate", "--ckpt", "{missing}", "--out", "{empty}/r"], "--ckpt: {missing} does not exist"),
+    (["retrieval", "evaluate", "--ckpt", "{run}/checkpoints/last.ckpt", "--out", "{held}"],
+     "--out: {held} already holds output"),
+    (["retrieval", "--ckpt", "{run}/checkpoints/last.ckpt"], "the subcommand is evaluate"),
+    # sweep, scaling-report
+    (["sweep", "{missing}"], "config: {missing} does not exist"),
+    (["sweep", str(CONFIGS / "sweep" / "toy.yaml"), "--report_only"], "--report_only: no finished runs in"),
+    (["sweep", str(CONFIGS / "sweep" / "toy.yaml"), "--pla"], "unrecognized arguments: --pla"),
+    (["scaling-report", "--sweep_dir", "{missing}"], "--sweep_dir: no finished runs"),
+    (["scaling-report", "--sweep", "{missing}"], "unrecognized arguments: --sweep"),
+    # bench, the command itself
+    (["bench", "attention", "--repeats", "1"], "--repeats: must be >= 2, got 1"),
+    (["bench", "attention", "--seq_len", "128"], "unrecognized arguments: --seq_len 128; did you mean --seq_lens?"),
+    (["bench", "no_such"], "no benchmark named 'no_such'"),
+    (["comprae"], "unknown subcommand 'comprae'; did you mean compare?"),
+]
+WITHOUT_A_GPU = [
+    (["fit", *tiny("{empty}/a", "--trainer.accelerator", "gpu")],
+     "--trainer.accelerator: gpu: this machine has no CUDA or MPS device"),
+    (["compare", "--trainer.accelerator", "cuda", "--out", "{empty}/c"], "--trainer.accelerator: cuda: this machine"),
+    (["generate", "--ckpt", "{run}/checkpoints/last.ckpt", "--device", "cuda"], "--device: cuda: this machine has no"),
+    (["retrieval", "evaluate", "--ckpt", "{run}/checkpoints/last.ckpt", "--out", "{empty}/r", "--device", "cuda"],
+     "--device: cuda: this machine has no CUDA device"),
+]
+TABLE = MISTAKES + (WITHOUT_A_GPU if NO_CUDA else [])
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("mistakes")
+    (root / "empty").mkdir()
+    (root / "file").write_text("a plain file\n")
+    (root / "junk.ckpt").write_text("not a checkpoint\n")
+    (root / "held").mkdir()
+    (root / "held" / "earlier.md").write_text("output of an earlier run\n")
+    (root / "run" / "predictions").mkdir(parents=True)
+    (root / "run" / "predictions" / "predictions-rank0.jsonl").write_text("{}\n")  # an earlier predict's
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i in range(16):
+        (corpus / f"module{i}.py").write_text(f"# another corpus, file {i}\n" + "x = 1\n" * 60)
+    return {"run": str(root / "run"), "empty": str(root / "empty"), "file": str(root / "file"),
+            "junk": str(root / "junk.ckpt"), "held": str(root / "held"), "corpus": str(corpus),
+            "missing": str(root / "no-such-thing"), "cwd": str(root)}
+
+
+def filled(argv: list[str], places: dict[str, str]) -> list[str]:
+    return [arg.format(**places) for arg in argv]
+
+
+def run_forked(commands: list[list[str]], cwd: str) -> list[dict]:
+    payload = json.dumps([{"argv": argv, "cwd": cwd} for argv in commands])
+    proc = subprocess.run([sys.executable, str(DRIVER)], input=payload, capture_output=True, text=True,
+                          timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def outcomes(places) -> list[dict]:
+    """The tiny run the table needs, then every mistake of the table."""
+    train = ["fit", *tiny(places["run"], "--trainer.max_steps", "2")]
+    results = run_forked([train, *(filled(argv, places) for argv, _ in TABLE)], places["cwd"])
+    assert results[0]["rc"] == 0, results[0]["stderr"][-3000:]
+    return results[1:]
+
+
+def assert_one_line_error(rc: int, stderr: str, expected: str) -> None:
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert rc == 2 and stderr.count("\n") == 1 and stderr.startswith("flexmoba: error: "), (rc, stderr[-3000:])
+    assert expected in stderr, stderr
+
+
+def test_the_table_covers_every_subcommand():
+    from lit.cli.main import SUBCOMMANDS
+
+    assert len(TABLE) >= 30
+    assert {argv[0] for argv, _ in TABLE} >= set(SUBCOMMANDS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(TABLE)), ids=[" ".join(argv[:3]) for argv, _ in TABLE])
+def test_a_mistake_is_one_line_and_exit_2(index, outcomes, places):
+    argv, expected = TABLE[index]
+    outcome = outcomes[index]
+    assert_one_line_error(outcome["rc"], outcome["stderr"], expected.format(**places))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv, expected", [
+    (["fit", *TINY, "--trainer.default_root_dir", "{empty}/fresh", "--ckpt_path", "last"],
+     "--ckpt_path: last: nothing to resume"),
+    (["generate", "--ckpt", "{missing}"], "--ckpt: {missing} does not exist"),
+], ids=["fit", "generate"])
+def test_the_installed_command_says_the_same(argv, expected, places):
+    proc = subprocess.run([sys.executable, "-m", "lit.cli.main", *filled(argv, places)], cwd=places["cwd"],
+                          capture_output=True, text=True, timeout=300)
+    assert_one_line_error(proc.returncode, proc.stderr, expected.format(**places))
