@@ -410,7 +410,9 @@ def merge_slots(own_out, own_lse, slot_out, slot_lse):
     lses = torch.cat([own_lse[:, None], slot_lse], 1)  # [N, P + 1]
     lse = torch.logsumexp(lses, 1)
     weight = torch.exp(lses - torch.where(torch.isfinite(lse), lse, 0.0)[:, None])
-    out = own_out.float() * weight[:, :1] + (weight[:, None, 1:] @ slot_out.float())[:, 0]
+    out = own_out.float() * weight[:, :1]
+    for slot in range(slot_out.shape[1]):  # top_k - 1 slots: elementwise beats a batch of [1, P] products
+        out.addcmul_(slot_out[:, slot].float(), weight[:, slot + 1:slot + 2])
     return out.to(own_out.dtype), lse
 
 
