@@ -27,6 +27,7 @@ import torch.distributed as dist
 from benchmarks.common import DEFAULT_OUT, peak_extra_mb, settle_malloc
 from flexmoba import MobaSpec
 from flexmoba.context_parallel import ContextParallel, attended_pairs_per_rank, context_parallel_attention
+from lit.cli.options import OneLineArgumentParser
 
 SEQ = 32768
 SHAPE = {"B": 1, "H": 8, "H_kv": 2, "D": 128}
@@ -163,11 +164,11 @@ def report(out: Path) -> Path:
     return path
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = OneLineArgumentParser(prog="flexmoba bench context_parallel", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--rank", type=Path, help=argparse.SUPPRESS)  # one rank under torchrun
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.rank is not None:
         rank_main(args.rank)
     else:
