@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> Path:
     try:
         out = export_checkpoint(checkpoint, job.out, job.max_position_embeddings, job.dtype, job.tokenizer)
     except TokenizerMismatch as error:
-        fail("flexmoba export-hf", f"{'--tokenizer' if job.tokenizer else '--ckpt'}: {error}")
+        fail(f"{'--tokenizer' if job.tokenizer else '--ckpt'}: {error}")
     print(f"wrote a LlamaForCausalLM to {out} (load with attn_implementation='flexmoba' after "
           "flexmoba.integrations.transformers.register())")
     return out

@@ -179,5 +179,5 @@ def test_a_tokenizer_that_cannot_go_with_the_model_is_one_line(exported, tmp_pat
         export_hf.main(["--ckpt", str(ckpt), "--out", str(tmp_path / "hf"), "--tokenizer", str(path)])
     stderr = capsys.readouterr().err
     assert exit_info.value.code == 2 and stderr.count("\n") == 1, stderr
-    assert stderr.startswith("flexmoba export-hf: error: --tokenizer: ") and words in stderr, stderr
+    assert stderr.startswith("flexmoba: error: --tokenizer: ") and words in stderr, stderr
     assert not (tmp_path / "hf").exists()
