@@ -331,7 +331,8 @@ def test_truncated_last_checkpoint_falls_back_and_finishes(tmp_path, corpus_cach
     truncate(tmp_path / "checkpoints" / "last.ckpt")
     proc = flexmoba("fit", *tiny_args(tmp_path, corpus_cache), *common, "--trainer.max_steps", "6",
                     "--ckpt_path", "last", cwd=tmp_path)
-    assert "flexmoba: warning: --ckpt_path last: skipped unreadable last.ckpt; using step000004.ckpt" in proc.stderr
+    assert ("flexmoba: warning: --ckpt_path last: skipped unreadable last.ckpt (moved to last.ckpt.unreadable); "
+            "using step000004.ckpt") in proc.stderr
     assert global_step(tmp_path / "checkpoints" / "last.ckpt") == 6
     assert global_step(tmp_path / "checkpoints" / "step000004.ckpt") == 4  # resumed from it, not from scratch
     for path in (tmp_path / "checkpoints").glob("*.ckpt"):
@@ -340,7 +341,7 @@ def test_truncated_last_checkpoint_falls_back_and_finishes(tmp_path, corpus_cach
                cwd=tmp_path)
     assert proc.returncode == 2
     [line] = error_lines(proc.stderr)
-    assert line.startswith("flexmoba: error: --ckpt_path last: no usable checkpoint in ")
+    assert line.startswith("flexmoba: error: --ckpt_path: last: no usable checkpoint in ")
 
 
 # -- exact resume after SIGKILL -------------------------------------------------------------------
