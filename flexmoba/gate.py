@@ -19,7 +19,6 @@ share one selection: MoBA at tile granularity, an ablation, not the paper's mode
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -129,11 +128,7 @@ def scores_against_means(rows: torch.Tensor, means: torch.Tensor) -> torch.Tenso
     """
     B, H, R, D = rows.shape
     H_kv, N = means.shape[1], means.shape[2]
-    device = rows.device.type
-    no_autocast = torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) \
-        else contextlib.nullcontext()
-    with no_autocast:
-        scores = rows.reshape(B, H_kv, (H // H_kv) * R, D) @ means.transpose(-1, -2)  # one product per KV head
+    scores = _no_autocast_matmul(rows.reshape(B, H_kv, (H // H_kv) * R, D), means.transpose(-1, -2))  # per KV head
     return scores.view(B, H, R, N)
 
 

@@ -91,11 +91,11 @@ def past_pairs(selection: Selection, kv_heads: int) -> PastPairs:
     n_buckets = B * kv_heads * n_global
     # The sort key is the smallest integer type that holds every bucket and the "unused" one past them.
     dtype = torch.int16 if n_buckets < 2**15 else torch.int32 if n_buckets < 2**31 else torch.long
-    bucket = torch.where(selection.past_valid, kv_row * n_global + global_chunk, n_buckets).to(dtype).flatten()
-    counts = torch.bincount(bucket.long(), minlength=n_buckets + 1)[:n_buckets]
-    slot = torch.argsort(bucket, stable=True)
+    bucket = torch.where(selection.past_valid, kv_row * n_global + global_chunk, n_buckets).flatten()
+    counts = torch.bincount(bucket, minlength=n_buckets + 1)[:n_buckets]
+    slot = torch.argsort(bucket.to(dtype), stable=True)
     start = layout.doc_start[:, None, :, None] + selection.past_chunks * layout.chunk_size  # [B, H, S, P]
-    starts = torch.zeros(n_buckets + 1, dtype=torch.long, device=device).scatter_(0, bucket.long(), start.flatten())
+    starts = torch.zeros(n_buckets + 1, dtype=torch.long, device=device).scatter_(0, bucket, start.flatten())
     used = counts.nonzero().squeeze(1)
     segments, offset = [], 0
     for b, count, start in zip(used.tolist(), counts[used].tolist(), starts[used].tolist(), strict=True):
@@ -224,18 +224,15 @@ BATCHED_PAIRS_MAX_BYTES = 64 * 2**20
 
 @dataclass(frozen=True)
 class PairBlocks:
-    """The past pairs cut into blocks of ``R`` rows, each block one chunk's, padded with a row of zeros.
+    """The past pairs cut into blocks of ``R`` rows, each block one chunk's, padded with zero rows.
 
     Attributes:
-        pair: ``[n_blocks, R]`` the pair of each row; ``n_pairs`` marks padding.
         keys: ``[n_blocks, c]`` flat index of each block's keys in ``[B * H_kv * T]``.
-        query_of_row: ``[n_blocks, R]`` the query row of each block row; -1 for padding (the zero
-            row :meth:`rows` appends).
+        query_of_row: ``[n_blocks, R]`` the query row of each block row (0 for padding rows).
         used: ``[n_blocks, R]`` bool, the rows that hold a pair.
         query, slot: ``[n_used]`` the used rows' queries and slots, in block order.
     """
 
-    pair: torch.Tensor
     keys: torch.Tensor
     query_of_row: torch.Tensor
     used: torch.Tensor
@@ -244,7 +241,8 @@ class PairBlocks:
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """``x: [B * H * S, *]`` per query -> ``[n_blocks, R, *]`` per block row (zeros for padding)."""
-        return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[self.query_of_row]
+        used = self.used.view(*self.used.shape, *[1] * (x.dim() - 1))
+        return x[self.query_of_row].masked_fill_(~used, 0)
 
     def keys_and_values(self, k_rows: torch.Tensor, v_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``k_rows, v_rows: [B * H_kv, T, D]`` -> each block's copy ``[n_blocks, 1, c, D]``."""
@@ -271,8 +269,8 @@ def pair_blocks(pairs: PastPairs, key_len: int, chunk: int, rows: int, width: in
     used = row < per_segment(lambda seg: seg.count)[segment][:, None]
     pair = torch.where(used, per_segment(lambda seg: seg.offset)[segment][:, None] + row, len(pairs.query))
     first_key = per_segment(lambda seg: seg.kv_row * key_len + seg.start)[segment]
-    query_of_row = torch.where(used, pairs.query[pair.clamp(max=len(pairs.query) - 1)], -1)
-    return PairBlocks(pair, first_key[:, None] + torch.arange(chunk, device=device), query_of_row, used,
+    query_of_row = torch.where(used, pairs.query[pair.clamp(max=len(pairs.query) - 1)], 0)
+    return PairBlocks(first_key[:, None] + torch.arange(chunk, device=device), query_of_row, used,
                       pairs.query[pair[used]], pairs.slot[pair[used]])
 
 

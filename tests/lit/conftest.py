@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,3 +51,18 @@ def flexmoba():
 def metrics_of():
     """``metrics_of(root)``: CSVLogger rows under ``root/csv``."""
     return read_metrics
+
+
+def write_random_files(root: Path, n_files: int, size: int) -> Path:
+    """``n_files`` files of ``size`` random bytes in ``root``: a corpus that repeats nothing a test could
+    mistake for a copy."""
+    rng = np.random.default_rng(0)
+    for i in range(n_files):
+        (root / f"mod{i:02d}.py").write_bytes(rng.integers(0, 256, size, dtype=np.uint8).tobytes())
+    return root
+
+
+@pytest.fixture(scope="session")
+def random_files():
+    """``random_files(root, n_files, size)``: write a corpus of random bytes, see :func:`write_random_files`."""
+    return write_random_files

@@ -2,7 +2,6 @@
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
@@ -13,11 +12,8 @@ SEQ_LEN = 512
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    rng = np.random.default_rng(0)
-    for i in range(12):
-        (root / f"mod{i:02d}.py").write_bytes(rng.integers(0, 256, 3 * SEQ_LEN + 40, dtype=np.uint8).tobytes())
+def data(tmp_path_factory, random_files):
+    root = random_files(tmp_path_factory.mktemp("corpus"), 12, 3 * SEQ_LEN + 40)
     data = LongRangeData(root=str(root), seq_len=SEQ_LEN, batch_size=2, val_fraction=0.25, test_fraction=0.0,
                          cache_dir=str(tmp_path_factory.mktemp("cache")), repeat_span_bytes=(16, 48),
                          repeat_share=0.3)

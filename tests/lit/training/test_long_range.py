@@ -15,13 +15,9 @@ DISTANCES = [64, 128, 256]  # the default bins at seq_len 512: seq_len / 8, / 4,
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
+def corpus(tmp_path_factory, random_files):
     """Files of random bytes, so the files themselves repeat nothing a test could mistake for a copy."""
-    root = tmp_path_factory.mktemp("random-corpus")
-    rng = np.random.default_rng(0)
-    for i in range(12):
-        (root / f"mod{i:02d}.py").write_bytes(rng.integers(0, 256, 3 * SEQ_LEN + 40, dtype=np.uint8).tobytes())
-    return root
+    return random_files(tmp_path_factory.mktemp("random-corpus"), 12, 3 * SEQ_LEN + 40)
 
 
 def make(cls, corpus, cache, **kwargs):
