@@ -127,7 +127,12 @@ def gate_step(q, keys, values, sums: ChunkKeySums, top_k: int, scale: float) -> 
     q_pos = T - S_new + torch.arange(S_new, device=q.device)
     q_local = q_pos[None, :] - sums.start[:, None]
     own = q_local.clamp(min=0) // sums.chunk_size
-    past, valid = gate.select_against_means(q, sums.means(), own, top_k)
+    own_chunk = (T - 1) // sums.chunk_size
+    if not sums.padded and (T - S_new) // sums.chunk_size == own_chunk:  # every query in one chunk
+        with torch.no_grad():
+            past, valid = gate.select_before_chunk(q.detach().float(), sums.means(), own_chunk, top_k)
+    else:
+        past, valid = gate.select_against_means(q, sums.means(), own, top_k)
     return DecodeStep(q=q, keys=keys, values=values, sums=sums, scale=scale,
                       q_pos=q_pos, q_local=q_local, own=own, past=past, valid=valid)
 

@@ -202,6 +202,39 @@ def _blocks_selected(step: DecodeStep) -> torch.Tensor:
     return out.view(B, H, S_new, -1).to(q.dtype)
 
 
+def _one_query_blocks(step: DecodeStep) -> torch.Tensor:
+    """:func:`_blocks_selected` for one new query per head of a cache without padding (the usual
+    decode step): the own chunk and the query's place in it are host ints, so the own slot is
+    cut by a slice, and the index arithmetic runs on ``[B, H, P + 1]`` tensors."""
+    q, sums = step.q, step.sums
+    B, H, _, D = q.shape
+    c, T = sums.chunk_size, step.keys.shape[2]
+    own, offset = divmod(T - 1, c)
+    P = step.past.shape[-1]
+    blocks = sums.key_blocks(step.keys)  # [B, H_kv, N, D, c]
+    H_kv, N = blocks.shape[1], blocks.shape[2]
+    valid = step.valid[:, :, 0]  # [B, H, P]
+    # Unused slots read the own chunk (masked below): an index in range, and for the values rows
+    # the query attends (weight 0), so a non-finite value there cannot reach the output through 0 * inf.
+    chunks = F.pad(torch.where(valid, step.past[:, :, 0], own), (0, 1), value=own)  # [B, H, P + 1], own last
+    batch, kv_head = _kv_head(B, H, H_kv, q.device)
+    kv_row = (batch * H_kv + kv_head)[..., 0]  # [B, H, 1]
+    index = ((kv_row * N + chunks) * D)[..., None] + _arange(D, q.device)  # [B, H, P + 1, D]
+    weights = (q.float() * step.scale).expand(B, H, P + 1, D)
+    logits = F.embedding_bag(index.view(-1, D), blocks.view(-1, c), per_sample_weights=weights.reshape(-1, D),
+                             mode="sum").view(B, H, P + 1, c)
+    logits[:, :, -1, offset + 1:] = float("-inf")  # the own chunk after the query
+    logits[:, :, :P].masked_fill_(~valid[..., None], float("-inf"))
+    probs = logits.view(B, H, (P + 1) * c).softmax(dim=-1)
+
+    table, steps = _rows(step.values)
+    first = (batch * steps[0] + kv_head * steps[1])[..., 0] + chunks * (c * steps[2])
+    index = first[..., None] + _arange(c, q.device) * steps[2]  # [B, H, P + 1, c]
+    index[:, :, -1, offset + 1:] = index[:, :, -1, offset:offset + 1]  # after the query: its own row
+    out = F.embedding_bag(index.view(B * H, -1), table, per_sample_weights=probs.view(B * H, -1), mode="sum")
+    return out.view(B, H, 1, -1).to(q.dtype)
+
+
 def _block_logits(q, blocks, chunks, scale):
     """``q . k * scale`` of ``q: [B, H, S_new, D]`` with every key of its ``chunks: [B, H, S_new, K]``,
     read from ``blocks: [B, H_kv, N, D, c]`` -> ``[B, H, S_new, K * c]`` fp32.
@@ -262,4 +295,6 @@ def gather_decode(step: DecodeStep) -> torch.Tensor:
     """``"gather"``'s decode: the ``embedding_bag`` kernel on fp32 buffers whose chunk state
     keeps blocks, the gathered copy otherwise (see the module docstring)."""
     fp32 = step.q.dtype == step.keys.dtype == step.values.dtype == torch.float32
-    return _blocks_selected(step) if fp32 and step.sums.keep_blocks else _gather_selected(step)
+    if not (fp32 and step.sums.keep_blocks):
+        return _gather_selected(step)
+    return _one_query_blocks(step) if step.q.shape[2] == 1 and not step.sums.padded else _blocks_selected(step)

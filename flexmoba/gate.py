@@ -216,12 +216,47 @@ def select_past_chunks_on_grid(
             own = torch.arange(rows_slice.start, rows_slice.stop, device=rows.device) // rows_per_chunk
             column = torch.arange(n_past, device=rows.device)
             scores.masked_fill_(column < n_past - own[:, None], float("-inf"))
-        for slot in range(min(P, n_past)):
-            best, column = scores.max(-1)
-            indices[:, :, :, rows_slice, slot] = n_past - 1 - column
-            valid[:, :, :, rows_slice, slot] = best > float("-inf")
-            scores.scatter_(-1, column[..., None], float("-inf"))
+        taken = min(P, n_past)
+        indices[:, :, :, rows_slice, :taken], valid[:, :, :, rows_slice, :taken] = _latest_first_maxima(scores, taken)
     return indices.view(B, H, R, P), valid.view(B, H, R, P)
+
+
+def _latest_first_maxima(scores: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``count`` best of ``scores: [..., n_past]`` (no NaN; column i is past chunk ``n_past - 1 - i``)
+    as ``(chunk indices, valid)``, each ``[..., count]``, best first; overwrites ``scores``.
+
+    ``max`` returns the first maximum, the later chunk of an exact tie; a taken chunk is set to -inf.
+    """
+    n_past = scores.shape[-1]
+    indices, valid = [], []
+    for _ in range(count):
+        best, column = scores.max(-1)
+        indices.append(n_past - 1 - column)
+        valid.append(best > float("-inf"))
+        scores.scatter_(-1, column[..., None], float("-inf"))
+    return torch.stack(indices, -1), torch.stack(valid, -1)
+
+
+def select_before_chunk(rows: torch.Tensor, means: torch.Tensor, own: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`select_past_chunks` for rows that all sit in chunk ``own`` (a host int): decoding's
+    usual step, one new query per row of a cache without padding.
+
+    ``rows: [B, H, R, D]`` fp32, ``means: [B, H_kv, N, D]`` fp32, ``N > own``. Returns
+    ``(indices, valid)``, each ``[B, H, R, P]`` with ``P = min(top_k - 1, N - 1)``; slots beyond
+    the ``own`` past chunks are invalid.
+    """
+    B, H, R, D = rows.shape
+    H_kv, N = means.shape[1], means.shape[2]
+    P = min(top_k - 1, N - 1)
+    indices = torch.zeros(B, H, R, P, dtype=torch.long, device=rows.device)
+    valid = torch.zeros(B, H, R, P, dtype=torch.bool, device=rows.device)
+    taken = min(P, own)
+    if taken:
+        latest_first = means[:, :, :own].flip(2).transpose(-1, -2)  # [B, H_kv, D, own]
+        scores = _no_autocast_matmul(rows.reshape(B, H_kv, (H // H_kv) * R, D), latest_first).view(B, H, R, own)
+        scores.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+        indices[..., :taken], valid[..., :taken] = _latest_first_maxima(scores, taken)
+    return indices, valid
 
 
 def _no_autocast_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
