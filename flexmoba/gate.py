@@ -237,7 +237,9 @@ def _latest_first_maxima(scores: torch.Tensor, count: int) -> tuple[torch.Tensor
     return torch.stack(indices, -1), torch.stack(valid, -1)
 
 
-def select_before_chunk(rows: torch.Tensor, means: torch.Tensor, own: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def select_before_chunk(
+    rows: torch.Tensor, means: torch.Tensor, own: int, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`select_past_chunks` for rows that all sit in chunk ``own`` (a host int): decoding's
     usual step, one new query per row of a cache without padding.
 
