@@ -527,8 +527,9 @@ def far_context_verdict(rows: list[dict], keys: list[str]) -> list[str]:
         lines += ["", f"**{attention} vs {REFERENCE}, copy loss by distance to the source:**"]
         for i, label in distance_bins(rows):
             recall, chance = seed_mean(rows, attention, recall_key(i)), seed_mean(rows, attention, chance_key(i))
+            found = gaps(rows, attention, copy_key(i))
             lines += [f"- distance {label}, {g.size}: {g.verdict(attention)}; "
-                      + router_words(recall.get(g.size), chance.get(g.size)) for g in gaps(rows, attention, copy_key(i))]
+                      + router_words(recall.get(g.size), chance.get(g.size)) for g in found]
         lines += ["", f"**{attention} vs {REFERENCE}, loss by position window (copied bytes' gate recall there):**"]
         for key in [k for k in keys if is_position_key(k)]:
             start, end = window_span(key)
