@@ -16,12 +16,9 @@ import json
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
 from flexmoba.checkpoint import load_model, read_checkpoint
+from lit.experiments.long_range_eval import SKIP, score
 from lit.training.long_range import LongRangeData
-from lit.training.metrics import repeat_span_losses
 
 
 def pilot_data(checkpoint: dict) -> LongRangeData:
@@ -34,33 +31,6 @@ def pilot_data(checkpoint: dict) -> LongRangeData:
     data.prepare_data()
     data.setup("validate")
     return data
-
-
-@torch.no_grad()
-def score(model, data: LongRangeData, sequences: int, skip: int, windows: int) -> dict:
-    """Repeat-span losses and per-window loss over the first ``sequences`` validation sequences."""
-    dataset = data.datasets["val"]
-    n = min(sequences, len(dataset))
-    edges = tuple(data.plan.distances)  # the corpus's own bins (4K, 8K, 16K at 32K)
-    total, window_sum, window_count = None, torch.zeros(windows), torch.zeros(windows)
-    for i in range(n):
-        inputs, targets = (t[None] for t in dataset[i])
-        logits = model(inputs)
-        token_loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none",
-                                     ignore_index=-100).view_as(targets)
-        part = repeat_span_losses(token_loss, targets, [data.repeats_of("val", i)], edges=edges, skip=skip)
-        total = part if total is None else total + part
-        valid = (targets[0] != -100).float()
-        window = torch.arange(targets.shape[1]) * windows // targets.shape[1]
-        window_sum.index_add_(0, window, token_loss[0] * valid)
-        window_count.index_add_(0, window, valid)
-    means = total.means()
-    means["bins"] = [{"low": low, "high": high, **row} for (low, high), row in means["bins"].items()]
-    span = data.seq_len // windows
-    means["by_position"] = [{"from": w * span, "to": (w + 1) * span, "loss": float(window_sum[w] / window_count[w])}
-                            for w in range(windows)]
-    means["sequences"], means["skip"], means["seq_len"] = n, skip, data.seq_len
-    return means
 
 
 def report(result: dict, ckpt: str, seconds: float) -> str:
@@ -83,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ckpt", required=True, help="checkpoint of a LongRangeData run")
     parser.add_argument("--out", required=True, help="folder for pilot.md and pilot.json")
     parser.add_argument("--sequences", type=int, default=16, help="validation sequences scored (default: 16)")
-    parser.add_argument("--skip", type=int, default=16, help="first bytes of each span not scored (default: 16)")
+    parser.add_argument("--skip", type=int, default=SKIP, help=f"first bytes of each span not scored (default: {SKIP})")
     parser.add_argument("--windows", type=int, default=8, help="position windows (default: 8)")
     args = parser.parse_args(argv)
     if not Path(args.ckpt).is_file():

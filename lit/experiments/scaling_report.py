@@ -369,12 +369,183 @@ def markdown(results, keys, laws, laws_total, headline=(), gate_figures=()) -> s
     lines += ["", "**What this scale cannot say:** the models are tiny and the compute range is narrow, so a "
               "law's exponent here need not hold at the paper's scale, and a crossover outside the measured "
               "range is a projection only. Seed intervals with 2 seeds are wide (t with 2 degrees of freedom)."]
+    lines += far_context(results, keys)
     lines += paper_comparison(laws, list(headline))
     lines += runs_table(results)
     lines += ["", "![scaling, 6·N·D](scaling.png)", "", "![scaling, FLOPs spent](scaling_spent.png)", "",
               "![loss by position](positions.png)", ""]
     lines += [f"![gate diagnostics]({name})\n" for name in gate_figures]
     return "\n".join(lines)
+
+
+# -- far context (the long-range corpus) -----------------------------------------------
+
+LONG_RANGE = "long_range"  # a run's result.json key, from lit.experiments.long_range_eval.evaluate
+FINDS, ABOVE_CHANCE = 0.8, 0.2  # recall that finds the sources; lift over chance that finds some
+
+
+def copy_key(i: int) -> str:
+    return f"long_range/copy_bin{i}"
+
+
+def saved_key(i: int) -> str:
+    return f"long_range/saved_bin{i}"
+
+
+def recall_key(i: int) -> str:
+    return f"long_range/recall_bin{i}"
+
+
+def chance_key(i: int) -> str:
+    return f"long_range/chance_bin{i}"
+
+
+def window_recall_key(start: int, end: int) -> str:
+    return f"long_range/recall_pos_{start}_{end}"
+
+
+def window_chance_key(start: int, end: int) -> str:
+    return f"long_range/chance_pos_{start}_{end}"
+
+
+def far_context_results(results: list[dict]) -> list[dict]:
+    """The runs that carry long-range numbers, those numbers added to their metrics (copy loss, source -
+    copy and gate recall per distance bin, gate recall per position window) so that the seed
+    statistics (:func:`size_points`, :func:`gaps`) apply to them unchanged."""
+    found = []
+    for r in results:
+        if LONG_RANGE not in r:
+            continue
+        record, metrics = r[LONG_RANGE], {}
+        for i, row in enumerate(record["bins"]):
+            metrics |= {copy_key(i): row["copy"], saved_key(i): row["gap"]}
+        gate = record.get("gate") or {"bins": [], "by_position": []}
+        for i, row in enumerate(gate["bins"]):
+            metrics |= {recall_key(i): row["recall"], chance_key(i): row["chance"]}
+        for row in gate["by_position"]:
+            metrics |= {window_recall_key(row["from"], row["to"]): row["recall"],
+                        window_chance_key(row["from"], row["to"]): row["chance"]}
+        found.append({**r, "metrics": {**r["metrics"], **metrics}})
+    return found
+
+
+def distance_bins(rows: list[dict]) -> list[tuple[int, str]]:
+    """``(index, label)`` of the distance bins some run scored bytes in, e.g. ``(1, "32–64")``, the last
+    one open (``128–∞``); the corpus places no copy below its first distance, so ``[0, d_0)`` drops out."""
+    bins = rows[0][LONG_RANGE]["bins"]
+    return [(i, bin_label(b["low"], b["high"])) for i, b in enumerate(bins)
+            if any(r[LONG_RANGE]["bins"][i]["count"] for r in rows)]
+
+
+def bin_label(low: int, high: int | None) -> str:
+    return f"{low:,}–" + ("∞" if high is None else f"{high:,}")
+
+
+def gap_cell(gap: Gap) -> str:
+    if gap.interval is None:
+        return f"{gap.difference:+.4f} (1 seed)"
+    return f"{gap.difference:+.4f} [{gap.interval[0]:+.4f}, {gap.interval[1]:+.4f}]"
+
+
+def seed_mean(rows: list[dict], attention: str, key: str) -> dict[str, float]:
+    """Size -> mean over seeds of ``key``."""
+    return {p.size: p.mean for p in size_points(rows, attention, key)}
+
+
+def gated(rows: list[dict]) -> list[str]:
+    """Attentions whose runs carry gate recall (MoBA, and hybrids scored in their MoBA layers)."""
+    return sorted({r["attention"] for r in rows if r[LONG_RANGE].get("gate")})
+
+
+def sizes_of(rows: list[dict]) -> list[str]:
+    return [size for _, size in sorted({(r["compute_6nd"], r["size"]) for r in rows})]
+
+
+def copy_gap_table(rows: list[dict]) -> list[str]:
+    """Per distance bin and size: each attention's copy loss minus full attention's, seed means, 95% t."""
+    others, sizes, labels = [a for a in attentions_of(rows) if a != REFERENCE], sizes_of(rows), distance_bins(rows)
+    columns = [(a, s) for a in others for s in sizes]
+    lines = ["", "## Far context: copy loss minus full attention's, by distance to the source", "",
+             f"Loss on the copied bytes (the first {rows[0][LONG_RANGE]['skip']} bytes of each span left out), "
+             "mean over seeds minus full attention's at the same size (nats per byte; negative: better than "
+             "full), with the 95% t interval of a difference of two seed means.", "",
+             "| distance (bytes) | " + " | ".join(f"{a} {s}" for a, s in columns) + " |",
+             "|---|" + "---|" * len(columns)]
+    for i, label in labels:
+        found = {(a, g.size): g for a in others for g in gaps(rows, a, copy_key(i))}
+        cells = [gap_cell(found[c]) if c in found else "n/a" for c in columns]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += ["", "Source loss minus copy loss (what copying saves, nats per byte; 0: no copying), seed means:", "",
+              "| distance (bytes) | " + " | ".join(f"{a} {s}" for a in attentions_of(rows) for s in sizes) + " |",
+              "|---|" + "---|" * (len(attentions_of(rows)) * len(sizes))]
+    for i, label in labels:
+        means = {a: seed_mean(rows, a, saved_key(i)) for a in attentions_of(rows)}
+        cells = [f"{means[a][s]:+.4f}" if s in means[a] else "n/a" for a in attentions_of(rows) for s in sizes]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def recall_table(rows: list[dict]) -> list[str]:
+    """Per distance bin and size: MoBA's gate recall on the copies' sources, mean over layers and seeds."""
+    attentions, sizes = gated(rows), sizes_of(rows)
+    if not attentions:
+        return []
+    gate = next(r[LONG_RANGE]["gate"] for r in rows if r[LONG_RANGE].get("gate"))
+    columns = [(a, s) for a in attentions for s in sizes]
+    lines = ["", "## Far context: MoBA's gate recall on the copies' sources", "",
+             f"Share of copied bytes (source in a past chunk) whose query's gate (chunk {gate['chunk_size']}, "
+             f"top-{gate['top_k']}) selects the chunk holding the byte's source, mean over heads, layers and "
+             "seeds; chance: a router picking its past chunks at random. A hybrid ends in full attention: its "
+             "recall is the selection MoBA's gate makes from its queries and keys in the layers it trained as "
+             "MoBA, not the attention it ran last.", "",
+             "| distance (bytes) | " + " | ".join(f"{a} {s}" for a, s in columns) + " |",
+             "|---|" + "---|" * len(columns)]
+    for i, label in distance_bins(rows):
+        recall = {a: seed_mean(rows, a, recall_key(i)) for a in attentions}
+        chance = {a: seed_mean(rows, a, chance_key(i)) for a in attentions}
+        cells = [f"{recall[a][s]:.3f} (chance {chance[a][s]:.3f})" if s in recall[a] else "n/a" for a, s in columns]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def router_words(recall: float | None, chance: float | None) -> str:
+    if recall is None or chance is None:
+        return "no copied byte scored by the gate"
+    lift = (recall - chance) / (1 - chance) if chance < 1 else 0.0
+    words = ("the router finds the sources" if recall >= FINDS else
+             "the router finds some sources" if lift >= ABOVE_CHANCE else "the router is no better than chance")
+    return f"gate recall {recall:.3f} (chance {chance:.3f}): {words}"
+
+
+def far_context_verdict(rows: list[dict], keys: list[str]) -> list[str]:
+    """Per compared attention: per distance bin and per position window, at each size, the gap to full
+    attention (copy loss, and loss in the window) with its interval, and whether the gate finds the sources."""
+    lines = ["", "## Far context verdict (computed from the runs above)", "",
+             f"The router *finds the sources* at gate recall >= {FINDS}, *finds some* at a recall at least "
+             f"{ABOVE_CHANCE:.0%} of the way from chance to 1, else it is *no better than chance*."]
+    for attention in [a for a in attentions_of(rows) if a != REFERENCE]:
+        lines += ["", f"**{attention} vs {REFERENCE}, copy loss by distance to the source:**"]
+        for i, label in distance_bins(rows):
+            recall, chance = seed_mean(rows, attention, recall_key(i)), seed_mean(rows, attention, chance_key(i))
+            found = gaps(rows, attention, copy_key(i))
+            lines += [f"- distance {label}, {g.size}: {g.verdict(attention)}; "
+                      + router_words(recall.get(g.size), chance.get(g.size)) for g in found]
+        lines += ["", f"**{attention} vs {REFERENCE}, loss by position window (copied bytes' gate recall there):**"]
+        for key in [k for k in keys if is_position_key(k)]:
+            start, end = window_span(key)
+            recall = seed_mean(rows, attention, window_recall_key(start, end))
+            chance = seed_mean(rows, attention, window_chance_key(start, end))
+            lines += [f"- {window_label(key)}, {g.size}: {g.verdict(attention)}; "
+                      + router_words(recall.get(g.size), chance.get(g.size)) for g in gaps(rows, attention, key)]
+    return lines
+
+
+def far_context(results: list[dict], keys: list[str]) -> list[str]:
+    """The report's far-context sections; empty when no run carries long-range numbers."""
+    rows = far_context_results(results)
+    if not rows:
+        return []
+    return copy_gap_table(rows) + recall_table(rows) + far_context_verdict(rows, keys)
 
 
 # -- figures ---------------------------------------------------------------------------

@@ -406,7 +406,7 @@ def execute(run: Run, base: dict, resume: bool, processes: Processes = Processes
     for key, value in {**processes.launch_settings(run.spec), **machine_settings(base)}.items():
         set_dotted(config, key, value)
     started = time.time()
-    _, metrics = fit_and_validate(config, resume=resume)
+    cli, metrics = fit_and_validate(config, resume=resume)
     result = {
         "run": run.name,
         "size": run.size.name,
@@ -422,9 +422,29 @@ def execute(run: Run, base: dict, resume: bool, processes: Processes = Processes
         "metrics": metrics,
     }
     if processes.is_main:
+        result |= far_context(run, cli)
         (run.folder / "result.json").write_text(json.dumps(result, indent=2))
     processes.barrier()
     return result
+
+
+def far_context(run: Run, cli) -> dict:
+    """``{"long_range": ...}`` (:func:`lit.experiments.long_range_eval.evaluate`) on the validation
+    sequences when the run trained on LongRangeData, else ``{}``."""
+    import torch
+
+    from lit.experiments.long_range_eval import evaluate
+    from lit.training.long_range import LongRangeData
+
+    data = cli.datamodule
+    if not isinstance(data, LongRangeData):
+        return {}
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = cli.model.model.to(device).eval()
+    sequences = run.spec.limit_val_batches * run.spec.batch_size
+    windows = max(1, run.spec.seq_len // run.spec.position_window)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        return {"long_range": evaluate(model, data, sequences, windows=windows, device=device)}
 
 
 def recorded(settings: dict) -> dict:

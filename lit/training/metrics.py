@@ -166,18 +166,34 @@ def repeat_span_losses(token_loss: torch.Tensor, targets: torch.Tensor, repeats:
     sums = {name: np.zeros(n_bins) for name in ("copy_sum", "copy_count", "source_sum", "source_count")}
     loss = token_loss.detach().double().cpu().numpy()
     valid = (targets != ignore_index).cpu().numpy()
-    S = loss.shape[1]
     for b, spans in enumerate(repeats):
-        for start, length, source in np.asarray(spans, dtype=np.int64).reshape(-1, 3):
-            offsets = np.arange(skip, length)
-            copy_t, source_t = start - 1 + offsets, source - 1 + offsets
-            inside = (copy_t >= 0) & (copy_t < S) & (source_t >= 0) & (source_t < S)
-            copy_t, source_t = copy_t[inside], source_t[inside]
-            scored = valid[b, copy_t] & valid[b, source_t]
-            copy_t, source_t = copy_t[scored], source_t[scored]
-            k = int(np.searchsorted(edges, start - source, side="right"))
+        for copy_t, source_t, distance in scored_span_targets(spans, valid[b], skip):
+            k = distance_bin(edges, distance)
             sums["copy_sum"][k] += loss[b, copy_t].sum()
             sums["source_sum"][k] += loss[b, source_t].sum()
             sums["copy_count"][k] += len(copy_t)
             sums["source_count"][k] += len(source_t)
     return RepeatSpanLosses(edges, **sums)
+
+
+def distance_bin(edges: Sequence[int], distance: int) -> int:
+    """Index of the bin ``[0, e_0), [e_0, e_1), ..., [e_last, inf)`` holding ``distance``."""
+    return int(np.searchsorted(edges, distance, side="right"))
+
+
+def scored_span_targets(spans: np.ndarray, valid: np.ndarray, skip: int):
+    """Per copied span of one sequence: ``(copy targets [n], source targets [n], distance)``.
+
+    ``spans: [r, 3]`` (start, length, source start) relative to the sequence's first byte;
+    ``valid: [S]`` bool, the targets that count. Byte ``k`` of a span (``skip <= k < length``) is
+    target ``start - 1 + k`` of the copy and ``source - 1 + k`` of the source; a byte is kept
+    where both targets lie in the sequence and are valid. Distance = start - source.
+    """
+    S = len(valid)
+    for start, length, source in np.asarray(spans, dtype=np.int64).reshape(-1, 3):
+        offsets = np.arange(skip, length)
+        copy_t, source_t = start - 1 + offsets, source - 1 + offsets
+        inside = (copy_t >= 0) & (copy_t < S) & (source_t >= 0) & (source_t < S)
+        copy_t, source_t = copy_t[inside], source_t[inside]
+        scored = valid[copy_t] & valid[source_t]
+        yield copy_t[scored], source_t[scored], int(start - source)
