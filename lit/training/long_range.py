@@ -32,6 +32,8 @@ from lit.training.data import ByteFilesData, ByteSequences, CorpusError, TokenCa
 REPEATS_SUFFIX = ".repeats.npy"
 DEFAULT_SPAN_BYTES = (128, 512)
 DEFAULT_SHARE = 0.3
+REPEAT_CONTENTS = ("text", "random")  # what a source span holds: the file's own bytes, or random printable ones
+PRINTABLE = np.arange(32, 127, dtype=np.uint8)  # the 95 printable ASCII bytes
 DEFAULT_DISTANCE_DIVISORS = (8, 4, 2)  # bins from seq_len/8, /4, /2: 4K, 8K and 16K at 32K
 MAX_FAILED_PLACEMENTS = 400  # per sequence: tries whose copy or source would overlap a copy
 
@@ -42,11 +44,13 @@ def default_distances(seq_len: int) -> list[int]:
 
 @dataclass(frozen=True)
 class RepeatPlan:
-    """How copies are placed in a sequence: span lengths ``[min, max]``, byte share, distance bins' starts."""
+    """How copies are placed in a sequence: span lengths ``[min, max]``, byte share, distance bins'
+    starts, and what the sources hold (``"text"``: the file's bytes; ``"random"``: random printable bytes)."""
 
     span_bytes: tuple[int, int]
     share: float
     distances: tuple[int, ...]
+    content: str = "text"
 
     def distance_range(self, bin_index: int, length: int, n: int) -> tuple[int, int]:
         """``[low, high)`` distances of a ``length``-byte copy in bin ``bin_index`` of an ``n``-byte sequence."""
@@ -68,6 +72,9 @@ def check_plan(plan: RepeatPlan, seq_len: int) -> None:
     if not plan.distances or list(plan.distances) != sorted(set(plan.distances)) or plan.distances[0] <= 0:
         raise CorpusError("repeat_distances", "repeat_distances must be ascending positive distances in bytes, "
                                               f"got {list(plan.distances)}")
+    if plan.content not in REPEAT_CONTENTS:
+        raise CorpusError("repeat_content", f"repeat_content must be one of {list(REPEAT_CONTENTS)}, "
+                                            f"got {plan.content!r}")
     if plan.distances[-1] + longest + 1 > seq_len:
         raise CorpusError("repeat_distances", f"a {longest}-byte copy at distance {plan.distances[-1]} does not fit "
                                               f"in seq_len={seq_len}: lower repeat_distances or repeat_span_bytes")
@@ -104,10 +111,18 @@ def place_repeats(n: int, plan: RepeatPlan, rng: np.random.Generator) -> np.ndar
 def write_repeats(tokens: np.ndarray, sequences: tuple[np.ndarray, np.ndarray], plan: RepeatPlan,
                   seed: int) -> np.ndarray:
     """Overwrite spans of every sequence ``(starts, lengths)`` of ``tokens`` (writable) with copies;
-    return their ``int64 [R, 3]`` (start, length, source start) as offsets into ``tokens``."""
+    return their ``int64 [R, 3]`` (start, length, source start) as offsets into ``tokens``.
+
+    With ``plan.content == "random"`` every source span is first filled with random printable
+    bytes, all of them before any copy is written (sources may overlap; copies never overlap one).
+    """
     found = []
     for first, n in zip(*sequences, strict=True):
-        relative = place_repeats(int(n), plan, np.random.default_rng([seed, int(first)]))
+        rng = np.random.default_rng([seed, int(first)])
+        relative = place_repeats(int(n), plan, rng)
+        if plan.content == "random":
+            for _, length, source in relative:
+                tokens[first + source : first + source + length] = rng.choice(PRINTABLE, size=length)
         for start, length, source in relative:
             tokens[first + start : first + start + length] = tokens[first + source : first + source + length]
         found.append(relative + np.array([first, 0, first]))
@@ -147,14 +162,18 @@ class LongRangeData(ByteFilesData):
         repeat_distances: ascending starts of the distance bins, in bytes; a copy lies at least
             the first one after its source. Default: ``seq_len`` / 8, / 4, / 2 (4K, 8K, 16K at 32K).
         repeat_seed: seeds where copies go (the same corpus for every training seed).
+        repeat_content: ``"text"`` (a source is the file's own text) or ``"random"`` (a source is
+            overwritten with random printable bytes: its first occurrence cannot be predicted, its
+            copy only from the source, far back).
         **kwargs: the arguments of :class:`ByteFilesData`.
     """
 
     def __init__(self, repeat_span_bytes: Sequence[int] = DEFAULT_SPAN_BYTES, repeat_share: float = DEFAULT_SHARE,
-                 repeat_distances: list[int] | None = None, repeat_seed: int = 0, **kwargs):
+                 repeat_distances: list[int] | None = None, repeat_seed: int = 0, repeat_content: str = "text",
+                 **kwargs):
         super().__init__(**kwargs)
         distances = default_distances(self.seq_len) if repeat_distances is None else repeat_distances
-        self.plan = RepeatPlan(tuple(repeat_span_bytes), repeat_share, tuple(distances))
+        self.plan = RepeatPlan(tuple(repeat_span_bytes), repeat_share, tuple(distances), repeat_content)
         self.repeat_seed = repeat_seed
         self.repeats: np.ndarray | None = None
 
@@ -166,6 +185,8 @@ class LongRangeData(ByteFilesData):
         options = {"corpus": super()._fingerprint(selected), "seq_len": self.seq_len, "seed": self.repeat_seed,
                    "pad_short_docs": self.pad_short_docs, "span_bytes": list(self.plan.span_bytes),
                    "share": self.plan.share, "distances": list(self.plan.distances)}
+        if self.plan.content != "text":  # the text corpus keeps the cache key it always had
+            options["content"] = self.plan.content
         return hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:16]
 
     def _token_cache(self, key: str) -> RepeatCache:

@@ -56,6 +56,22 @@ def test_copies_are_the_original_source_bytes_and_nothing_else_changes(corpus, t
     assert np.array_equal(tokens[~copied], plain[~copied])
 
 
+def test_random_sources_are_printable_new_bytes_and_their_copies_match(corpus, tmp_path):
+    plain = np.asarray(make(ByteFilesData, corpus, tmp_path / "plain").datasets["train"].tokens)
+    data = long_range_data(corpus, tmp_path / "random", repeat_content="random")
+    tokens = np.asarray(data.datasets["train"].tokens)
+    touched = np.zeros(len(tokens), dtype=bool)
+    for split in ("train", "val"):
+        for index, first, _ in sequences(data, split):
+            for start, length, source in data.repeats_of(split, index):
+                copy, origin = slice(first + start, first + start + length), slice(first + source, first + source + length)
+                assert np.array_equal(tokens[copy], tokens[origin])
+                assert ((tokens[origin] >= 32) & (tokens[origin] < 127)).all()
+                assert (tokens[origin] != plain[origin]).mean() > 0.5  # the corpus is random bytes 0..255
+                touched[copy] = touched[origin] = True
+    assert np.array_equal(tokens[~touched], plain[~touched])
+
+
 def test_distances_fall_in_the_bins_and_spans_inside_the_targets(corpus, tmp_path):
     data = long_range_data(corpus, tmp_path)
     assert data.plan.distances == tuple(DISTANCES)  # the default bins scale with seq_len
@@ -122,6 +138,7 @@ def test_recorded_places_line_up_with_the_targets(corpus, tmp_path):
     ({"repeat_share": 0.6}, "repeat_share"),
     ({"repeat_distances": [128, 64]}, "repeat_distances"),
     ({"repeat_span_bytes": (48, 16)}, "repeat_span_bytes"),
+    ({"repeat_content": "noise"}, "repeat_content"),
 ])
 def test_impossible_plans_name_their_option(corpus, tmp_path, options, option):
     data = LongRangeData(root=str(corpus), seq_len=SEQ_LEN, cache_dir=str(tmp_path), **options)
