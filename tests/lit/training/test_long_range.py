@@ -64,7 +64,8 @@ def test_random_sources_are_printable_new_bytes_and_their_copies_match(corpus, t
     for split in ("train", "val"):
         for index, first, _ in sequences(data, split):
             for start, length, source in data.repeats_of(split, index):
-                copy, origin = slice(first + start, first + start + length), slice(first + source, first + source + length)
+                copy = slice(first + start, first + start + length)
+                origin = slice(first + source, first + source + length)
                 assert np.array_equal(tokens[copy], tokens[origin])
                 assert ((tokens[origin] >= 32) & (tokens[origin] < 127)).all()
                 assert (tokens[origin] != plain[origin]).mean() > 0.5  # the corpus is random bytes 0..255
