@@ -229,11 +229,12 @@ def _latest_first_maxima(scores: torch.Tensor, count: int) -> tuple[torch.Tensor
     """
     n_past = scores.shape[-1]
     indices, valid = [], []
-    for _ in range(count):
+    for slot in range(count):
         best, column = scores.max(-1)
         indices.append(n_past - 1 - column)
         valid.append(best > float("-inf"))
-        scores.scatter_(-1, column[..., None], float("-inf"))
+        if slot + 1 < count:
+            scores.scatter_(-1, column[..., None], float("-inf"))
     return torch.stack(indices, -1), torch.stack(valid, -1)
 
 
