@@ -384,28 +384,14 @@ LONG_RANGE = "long_range"  # a run's result.json key, from lit.experiments.long_
 FINDS, ABOVE_CHANCE = 0.8, 0.2  # recall that finds the sources; lift over chance that finds some
 
 
-def copy_key(i: int) -> str:
-    return f"long_range/copy_bin{i}"
+def bin_key(quantity: str, i: int) -> str:
+    """The metric key of a far-context ``quantity`` (copy, saved, recall, chance) in distance bin ``i``."""
+    return f"long_range/{quantity}_bin{i}"
 
 
-def saved_key(i: int) -> str:
-    return f"long_range/saved_bin{i}"
-
-
-def recall_key(i: int) -> str:
-    return f"long_range/recall_bin{i}"
-
-
-def chance_key(i: int) -> str:
-    return f"long_range/chance_bin{i}"
-
-
-def window_recall_key(start: int, end: int) -> str:
-    return f"long_range/recall_pos_{start}_{end}"
-
-
-def window_chance_key(start: int, end: int) -> str:
-    return f"long_range/chance_pos_{start}_{end}"
+def window_key(quantity: str, start: int, end: int) -> str:
+    """The metric key of ``quantity`` (recall, chance) in the position window ``[start, end)``."""
+    return f"long_range/{quantity}_pos_{start}_{end}"
 
 
 def far_context_results(results: list[dict]) -> list[dict]:
@@ -418,13 +404,13 @@ def far_context_results(results: list[dict]) -> list[dict]:
             continue
         record, metrics = r[LONG_RANGE], {}
         for i, row in enumerate(record["bins"]):
-            metrics |= {copy_key(i): row["copy"], saved_key(i): row["gap"]}
+            metrics |= {bin_key("copy", i): row["copy"], bin_key("saved", i): row["gap"]}
         gate = record.get("gate") or {"bins": [], "by_position": []}
         for i, row in enumerate(gate["bins"]):
-            metrics |= {recall_key(i): row["recall"], chance_key(i): row["chance"]}
+            metrics |= {bin_key("recall", i): row["recall"], bin_key("chance", i): row["chance"]}
         for row in gate["by_position"]:
-            metrics |= {window_recall_key(row["from"], row["to"]): row["recall"],
-                        window_chance_key(row["from"], row["to"]): row["chance"]}
+            metrics |= {window_key("recall", row["from"], row["to"]): row["recall"],
+                        window_key("chance", row["from"], row["to"]): row["chance"]}
         found.append({**r, "metrics": {**r["metrics"], **metrics}})
     return found
 
@@ -472,14 +458,14 @@ def copy_gap_table(rows: list[dict]) -> list[str]:
              "| distance (bytes) | " + " | ".join(f"{a} {s}" for a, s in columns) + " |",
              "|---|" + "---|" * len(columns)]
     for i, label in labels:
-        found = {(a, g.size): g for a in others for g in gaps(rows, a, copy_key(i))}
+        found = {(a, g.size): g for a in others for g in gaps(rows, a, bin_key("copy", i))}
         cells = [gap_cell(found[c]) if c in found else "n/a" for c in columns]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += ["", "Source loss minus copy loss (what copying saves, nats per byte; 0: no copying), seed means:", "",
               "| distance (bytes) | " + " | ".join(f"{a} {s}" for a in attentions_of(rows) for s in sizes) + " |",
               "|---|" + "---|" * (len(attentions_of(rows)) * len(sizes))]
     for i, label in labels:
-        means = {a: seed_mean(rows, a, saved_key(i)) for a in attentions_of(rows)}
+        means = {a: seed_mean(rows, a, bin_key("saved", i)) for a in attentions_of(rows)}
         cells = [f"{means[a][s]:+.4f}" if s in means[a] else "n/a" for a in attentions_of(rows) for s in sizes]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
@@ -501,8 +487,8 @@ def recall_table(rows: list[dict]) -> list[str]:
              "| distance (bytes) | " + " | ".join(f"{a} {s}" for a, s in columns) + " |",
              "|---|" + "---|" * len(columns)]
     for i, label in distance_bins(rows):
-        recall = {a: seed_mean(rows, a, recall_key(i)) for a in attentions}
-        chance = {a: seed_mean(rows, a, chance_key(i)) for a in attentions}
+        recall = {a: seed_mean(rows, a, bin_key("recall", i)) for a in attentions}
+        chance = {a: seed_mean(rows, a, bin_key("chance", i)) for a in attentions}
         cells = [f"{recall[a][s]:.3f} (chance {chance[a][s]:.3f})" if s in recall[a] else "n/a" for a, s in columns]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
@@ -526,15 +512,16 @@ def far_context_verdict(rows: list[dict], keys: list[str]) -> list[str]:
     for attention in [a for a in attentions_of(rows) if a != REFERENCE]:
         lines += ["", f"**{attention} vs {REFERENCE}, copy loss by distance to the source:**"]
         for i, label in distance_bins(rows):
-            recall, chance = seed_mean(rows, attention, recall_key(i)), seed_mean(rows, attention, chance_key(i))
-            found = gaps(rows, attention, copy_key(i))
+            recall = seed_mean(rows, attention, bin_key("recall", i))
+            chance = seed_mean(rows, attention, bin_key("chance", i))
+            found = gaps(rows, attention, bin_key("copy", i))
             lines += [f"- distance {label}, {g.size}: {g.verdict(attention)}; "
                       + router_words(recall.get(g.size), chance.get(g.size)) for g in found]
         lines += ["", f"**{attention} vs {REFERENCE}, loss by position window (copied bytes' gate recall there):**"]
         for key in [k for k in keys if is_position_key(k)]:
             start, end = window_span(key)
-            recall = seed_mean(rows, attention, window_recall_key(start, end))
-            chance = seed_mean(rows, attention, window_chance_key(start, end))
+            recall = seed_mean(rows, attention, window_key("recall", start, end))
+            chance = seed_mean(rows, attention, window_key("chance", start, end))
             lines += [f"- {window_label(key)}, {g.size}: {g.verdict(attention)}; "
                       + router_words(recall.get(g.size), chance.get(g.size)) for g in gaps(rows, attention, key)]
     return lines
