@@ -217,19 +217,14 @@ def own_chunk_prefixes(selection: Selection, heads: int, kv_heads: int, query_st
             offset += group * count
     empty = torch.zeros(0, dtype=torch.long, device=layout.global_chunk.device)
     query = torch.cat(queries) if queries else empty
-    return PastPairs(query, query, segments, 1)  # one slot per query: its own chunk's prefix
+    return PastPairs(query, segments)
 
 
 def join_pairs(first: PastPairs, second: PastPairs) -> PastPairs:
-    """Both pair lists in one, ``second``'s segments after ``first``'s and its slots after
-    ``first``'s in each query's row of slots."""
+    """Both pair lists in one, ``second``'s segments after ``first``'s."""
     shift = len(first.query)
     moved = [dataclasses.replace(seg, offset=seg.offset + shift) for seg in second.segments]
-    n_first, n_second = first.slots_per_query, second.slots_per_query
-    slots = n_first + n_second
-    slot = torch.cat([first.query * slots + first.slot % max(n_first, 1),
-                      second.query * slots + n_first + second.slot % max(n_second, 1)])
-    return PastPairs(slot, torch.cat([first.query, second.query]), first.segments + moved, slots)
+    return PastPairs(torch.cat([first.query, second.query]), first.segments + moved)
 
 
 def local_gather(q, k, v, selection: Selection, scale: float, query_start: int) -> torch.Tensor:

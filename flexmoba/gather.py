@@ -63,16 +63,12 @@ class PastPairs:
     """(query, past chunk) pairs sorted by the keys they read.
 
     Attributes:
-        slot: ``[P]`` flat index of each pair in ``[B, H, S, top_k - 1]`` (its query and slot).
-        query: ``[P]`` flat index of each pair's query in ``[B * H * S]``.
+        query: ``[n]`` flat index of each pair's query in ``[B * H * S]``.
         segments: one per (KV row, chunk), covering the pairs in order.
-        slots_per_query: ``top_k - 1`` (or fewer when there are fewer chunks).
     """
 
-    slot: torch.Tensor
     query: torch.Tensor
     segments: list[Segment]
-    slots_per_query: int
 
 
 def past_pairs(selection: Selection, kv_heads: int) -> PastPairs:
@@ -101,8 +97,8 @@ def past_pairs(selection: Selection, kv_heads: int) -> PastPairs:
     for b, count, start in zip(used.tolist(), counts[used].tolist(), starts[used].tolist(), strict=True):
         segments.append(Segment(offset, count, b // n_global, start, layout.chunk_size))
         offset += count
-    slot = slot[:offset]
-    return PastPairs(slot, torch.div(slot, P, rounding_mode="floor") if P else slot, segments, P)
+    slot = slot[:offset]  # flat index in [B, H, S, P]
+    return PastPairs(torch.div(slot, P, rounding_mode="floor") if P else slot, segments)
 
 
 def own_segments(selection: Selection, heads: int, kv_heads: int) -> list[Segment]:
@@ -230,14 +226,13 @@ class PairBlocks:
         keys: ``[n_blocks, c]`` flat index of each block's keys in ``[B * H_kv * T]``.
         query_of_row: ``[n_blocks, R]`` the query row of each block row (0 for padding rows).
         used: ``[n_blocks, R]`` bool, the rows that hold a pair.
-        query, slot: ``[n_used]`` the used rows' queries and slots, in block order.
+        query: ``[n_used]`` the used rows' queries, in block order.
     """
 
     keys: torch.Tensor
     query_of_row: torch.Tensor
     used: torch.Tensor
     query: torch.Tensor
-    slot: torch.Tensor
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """``x: [B * H * S, *]`` per query -> ``[n_blocks, R, *]`` per block row (zeros for padding)."""
@@ -271,7 +266,7 @@ def pair_blocks(pairs: PastPairs, key_len: int, chunk: int, rows: int, width: in
     first_key = per_segment(lambda seg: seg.kv_row * key_len + seg.start)[segment]
     query_of_row = torch.where(used, pairs.query[pair.clamp(max=len(pairs.query) - 1)], 0)
     return PairBlocks(first_key[:, None] + torch.arange(chunk, device=device), query_of_row, used,
-                      pairs.query[pair[used]], pairs.slot[pair[used]])
+                      pairs.query[pair[used]])
 
 
 class _GatheredMoBA(torch.autograd.Function):
@@ -285,24 +280,21 @@ class _GatheredMoBA(torch.autograd.Function):
         H_kv, Dv = k.shape[1], v.shape[-1]
         own_out, own_lse = _own_forward(q, k.narrow(2, key_offset, S), v.narrow(2, key_offset, S), own, chunk, scale)
         q_rows, k_rows, v_rows = q.reshape(-1, D), k.reshape(B * H_kv, -1, D), v.reshape(B * H_kv, -1, Dv)
-        P = pairs.slots_per_query
-        slot_out = q.new_zeros(B * H * S * P, Dv)
-        slot_lse = torch.full((B * H * S * P,), float("-inf"), device=q.device)
         blocks = pair_blocks(pairs, k_rows.shape[1], chunk, block, D + Dv)
         if blocks is None:
             pair_q = q_rows[pairs.query]
+            pair_out = q.new_empty(len(pairs.query), Dv)
+            pair_lse = torch.empty(len(pairs.query), device=q.device)
             for seg in pairs.segments:
                 rows = slice(seg.offset, seg.offset + seg.count)
                 seg_out, seg_lse = dense_attention(pair_q[rows][None, None], *_keys(k_rows, v_rows, seg), False, scale)
-                slot_out[pairs.slot[rows]], slot_lse[pairs.slot[rows]] = seg_out[0, 0], seg_lse[0, 0]
+                pair_out[rows], pair_lse[rows] = seg_out[0, 0], seg_lse[0, 0]
+            query = pairs.query
         else:
             keys, values = blocks.keys_and_values(k_rows, v_rows)
             block_out, block_lse = dense_attention(blocks.rows(q_rows)[:, None], keys, values, False, scale)
-            used = blocks.used
-            slot_out[blocks.slot] = block_out[:, 0][used]
-            slot_lse[blocks.slot] = block_lse[:, 0][used]
-        out, lse = merge_slots(own_out.reshape(-1, Dv), own_lse.flatten(), slot_out.view(B * H * S, P, Dv),
-                               slot_lse.view(B * H * S, P))
+            pair_out, pair_lse, query = block_out[:, 0][blocks.used], block_lse[:, 0][blocks.used], blocks.query
+        out, lse = merge_pairs(own_out.reshape(-1, Dv), own_lse.flatten(), query, pair_out, pair_lse)
         out = out.view(B, H, S, Dv)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.pairs, ctx.blocks, ctx.own, ctx.chunk, ctx.scale, ctx.block = pairs, blocks, own, chunk, scale, block
@@ -399,18 +391,19 @@ def _own_backward(grad_out, q, k, v, out, lse, own: list[Segment] | None, chunk:
     return dq.view_as(q), dk.view_as(k), dv.view_as(v)
 
 
-def merge_slots(own_out, own_lse, slot_out, slot_lse):
-    """Merge each query's own part (``[N, Dv]``, ``[N]``) with its past slots
-    (``[N, P, Dv]``, ``[N, P]``; unused slots have lse -inf and a zero output) by log-sum-exp.
+def merge_pairs(own_out, own_lse, query, pair_out, pair_lse):
+    """Merge each query's own part (``[N, Dv]``, ``[N]``) with its past pairs (``pair_out: [n, Dv]``,
+    ``pair_lse: [n]`` of queries ``query: [n]``) by log-sum-exp, accumulated per query.
 
     Returns (out ``[N, Dv]`` in own_out's dtype, lse ``[N]`` fp32).
     """
-    lses = torch.cat([own_lse[:, None], slot_lse], 1)  # [N, P + 1]
-    lse = torch.logsumexp(lses, 1)
-    weight = torch.exp(lses - torch.where(torch.isfinite(lse), lse, 0.0)[:, None])
-    out = own_out.float() * weight[:, :1]
-    for slot in range(slot_out.shape[1]):  # top_k - 1 slots: elementwise beats a batch of [1, P] products
-        out.addcmul_(slot_out[:, slot].float(), weight[:, slot + 1:slot + 2])
+    top = own_lse.scatter_reduce(0, query, pair_lse, "amax")
+    top = torch.where(torch.isfinite(top), top, 0.0)
+    total = torch.exp(own_lse - top).index_add_(0, query, torch.exp(pair_lse - top[query]))
+    lse = top + torch.log(total)
+    weight_of = lambda part_lse, rows: torch.exp(part_lse - lse[rows])[:, None]  # noqa: E731
+    out = own_out.float() * weight_of(own_lse, slice(None))
+    out.index_add_(0, query, pair_out.float() * weight_of(pair_lse, query))
     return out.to(own_out.dtype), lse
 
 
