@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from flexmoba.checkpoint import load_model, read_checkpoint
-from lit.experiments.long_range_eval import SKIP, score
+from lit.experiments.long_range_eval import SKIP, evaluate
 from lit.training.long_range import LongRangeData
 
 
@@ -45,7 +45,25 @@ def report(result: dict, ckpt: str, seconds: float) -> str:
     lines.append(f"| all | {result['copy']:.3f} | {result['source']:.3f} | {result['gap']:.3f} | |")
     lines += ["", "| positions | loss (nats/byte) |", "|---|---|"]
     lines += [f"| {w['from']:,}–{w['to']:,} | {w['loss']:.3f} |" for w in result["by_position"]]
+    if "gate" in result:
+        lines += ["", *recall_table(result["gate"])]
     return "\n".join(lines) + "\n"
+
+
+def recall_table(gate: dict) -> list[str]:
+    """MoBA's gate recall on the copies' sources by distance bin, per layer, against chance."""
+    layers = gate["layers"]
+    lines = [f"MoBA gate recall on the copies' sources (chunk {gate['chunk_size']}, top-{gate['top_k']}; "
+             "share of copied bytes whose query selects the chunk holding the source, mean over heads):", "",
+             "| distance to source | bytes | " + " | ".join(f"layer {i}" for i in layers) + " | chance |",
+             "|---|---|" + "---|" * len(layers) + "---|"]
+    for row in gate["bins"]:
+        if not row["pairs"]:
+            continue
+        high = "∞" if row["high"] is None else f"{row['high']:,}"
+        cells = " | ".join(f"{r:.3f}" for r in row["recall_by_layer"])
+        lines.append(f"| {row['low']:,}–{high} | {row['pairs']:,} | {cells} | {row['chance']:.3f} |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--ckpt: {args.ckpt} is not a file")
     started = time.perf_counter()
     checkpoint = read_checkpoint(args.ckpt)
-    result = score(load_model(checkpoint), pilot_data(checkpoint), args.sequences, args.skip, args.windows)
+    result = evaluate(load_model(checkpoint), pilot_data(checkpoint), args.sequences, args.skip, args.windows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "pilot.json").write_text(json.dumps(result, indent=2))
