@@ -22,6 +22,7 @@ BENCHMARKS = sorted(p.stem for p in (REPO / "benchmarks").glob("*.py")
                     if "def main(" in p.read_text() and p.stem not in ("gpu_timing",))
 # A line standing for many commands (a placeholder, a user's own folder, alternatives) is not one command.
 PLACEHOLDER = re.compile(r"\.\.\.|<|PATH|DIR| \| |~|\{")
+OPTIONAL = re.compile(r"\[(--[^\[\]]*)\]")  # [--repeats 3]; a list value such as [64,256] stays
 
 
 def commands_in(text: str) -> list[str]:
@@ -32,7 +33,7 @@ def commands_in(text: str) -> list[str]:
     for line in text.splitlines():
         line = line.split(" #")[0].strip().replace("make compare", "flexmoba compare", 1)
         if line.startswith("flexmoba ") and not PLACEHOLDER.search(line):
-            found.append(line.replace("[", "").replace("]", ""))
+            found.append(OPTIONAL.sub(r"\1", line))
     return found
 
 
