@@ -100,6 +100,8 @@ class SweepSpec:
             switch_to_full_at: 0.9}``.
         seeds: seeds of every (size, attention) pair, each its own run (model initialisation and
             data order); default: one run, seeded by the base config, named without a seed.
+        extra_seeds: size name -> seeds run for that size besides ``seeds``, by every attention
+            that trains it (e.g. ``{s4: [2]}``: a third seed at the largest size).
         seq_len, batch_size: training sequences.
         tokens_per_parameter: training tokens per non-embedding parameter.
         min_steps: floor on the optimizer steps of the smallest runs.
@@ -132,6 +134,7 @@ class SweepSpec:
     base_config: str = "configs/moba.yaml"
     cli_args: list[str] = field(default_factory=list)
     seeds: list[int] | None = None
+    extra_seeds: dict[str, list[int]] = field(default_factory=dict)
     gate_diagnostics: list[str] = field(default_factory=list)
     report_dir: str | None = None
     step_seconds: dict[str, list[list[float]]] = field(default_factory=dict)
@@ -163,6 +166,12 @@ class SweepSpec:
                 raise ValueError(f"sweep config {path}: attention {kind.name!r} names unknown sizes {sorted(unknown)}")
             if kind.switch_to_full_at is not None and not 0 <= kind.switch_to_full_at <= 1:
                 raise ValueError(f"sweep config {path}: attention {kind.name!r}: switch_to_full_at must be in [0, 1]")
+        for size, seeds in self.extra_seeds.items():
+            if size not in size_names:
+                raise ValueError(f"sweep config {path}: extra_seeds names unknown size {size!r}")
+            if not self.seeds or set(seeds) & set(self.seeds):
+                raise ValueError(f"sweep config {path}: extra_seeds of {size!r} must add seeds to a sweep "
+                                 f"with seeds, none of {self.seeds}")
         run_names = {run.name for run in self.runs()}
         unknown = set(self.gate_diagnostics) - run_names
         if unknown:
@@ -175,9 +184,12 @@ class SweepSpec:
 
     def runs(self) -> list[Run]:
         """Seed by seed (a sweep stopped after its first seed is a whole single-seed study), then size
-        by size, then attention by attention."""
-        return [Run(self, size, kind.name, seed) for seed in self.seeds or [None] for size in self.sizes
-                for kind in self.attention_kinds() if kind.trains(size)]
+        by size, then attention by attention; the extra seeds last."""
+        kinds = self.attention_kinds()
+        runs = [Run(self, size, kind.name, seed) for seed in self.seeds or [None] for size in self.sizes
+                for kind in kinds if kind.trains(size)]
+        return runs + [Run(self, size, kind.name, seed) for size in self.sizes
+                       for seed in self.extra_seeds.get(size.name, []) for kind in kinds if kind.trains(size)]
 
 
 @dataclass

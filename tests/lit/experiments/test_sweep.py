@@ -66,7 +66,9 @@ def test_shipped_sweep_configs_parse(path):
     assert len(spec.sizes) >= 4 and all(run.steps() >= spec.min_steps for run in spec.runs())
     for kind in spec.attention_kinds():
         sizes = [s for s in spec.sizes if kind.sizes is None or s.name in kind.sizes]
-        assert len([r for r in spec.runs() if r.attention_name == kind.name]) == len(sizes) * len(spec.seeds or [0])
+        extra = sum(len(spec.extra_seeds.get(size.name, [])) for size in sizes)
+        runs = [r for r in spec.runs() if r.attention_name == kind.name]
+        assert len(runs) == len(sizes) * len(spec.seeds or [0]) + extra
 
 
 def long32k_spec() -> SweepSpec:
@@ -102,6 +104,15 @@ def test_seeds_hybrid_sizes_and_callbacks_make_the_runs():
     assert runs["s4-moba-seed0"].compute()["compute_6nd"] == runs["s4-full-seed0"].compute()["compute_6nd"]
 
 
+def test_extra_seeds_add_runs_of_their_size_only():
+    spec = SweepSpec(out_dir="x", sizes=[ModelSize("a", 1, 16, 2), ModelSize("b", 1, 32, 2)],
+                     attention={"moba": {"attention": "moba"}, "full": {"attention": "full"}},
+                     seeds=[0, 1], extra_seeds={"b": [2]})
+    names = [run.name for run in spec.runs()]
+    assert names[-2:] == ["b-moba-seed2", "b-full-seed2"] and len(names) == 10
+    assert not any(name.startswith("a-") and name.endswith("seed2") for name in names)
+
+
 def test_no_seeds_keeps_the_old_run_names():
     spec = SweepSpec.from_yaml(REPO / "configs" / "sweep" / "toy.yaml")
     assert [run.name for run in spec.runs()][:2] == ["s1-moba", "s1-full"]
@@ -120,6 +131,8 @@ def test_step_time_interpolation_is_log_log():
     ({"attention": {"h": {"attention": "moba", "sizes": ["nope"]}}}, "unknown sizes"),
     ({"attention": {"h": {"attention": "moba", "switch_to_full_at": 1.5}}}, "switch_to_full_at"),
     ({"gate_diagnostics": ["a-moba-seed7"]}, "gate_diagnostics"),
+    ({"extra_seeds": {"b": [1]}}, "extra_seeds names unknown size"),
+    ({"extra_seeds": {"a": [0]}}, "extra_seeds of 'a' must add seeds"),
 ])
 def test_run_settings_name_what_exists(tmp_path, change, message):
     raw = {"out_dir": "x", "sizes": [{"name": "a", "n_layers": 1, "d_model": 16, "n_heads": 2}],
