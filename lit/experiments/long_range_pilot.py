@@ -19,6 +19,7 @@ from pathlib import Path
 from flexmoba.checkpoint import load_model, read_checkpoint
 from lit.experiments.long_range_eval import SKIP, evaluate
 from lit.training.long_range import LongRangeData
+from lit.training.metrics import bin_label
 
 
 def pilot_data(checkpoint: dict) -> LongRangeData:
@@ -39,9 +40,8 @@ def report(result: dict, ckpt: str, seconds: float) -> str:
              "| distance to source | copy loss | first-occurrence loss | gap (nats/byte) | bytes scored |",
              "|---|---|---|---|---|"]
     for row in result["bins"]:
-        high = "∞" if row["high"] is None else f"{row['high']:,}"
-        lines.append(f"| {row['low']:,}–{high} | {row['copy']:.3f} | {row['source']:.3f} | {row['gap']:.3f} | "
-                     f"{row['count']:,} |")
+        lines.append(f"| {bin_label(row['low'], row['high'])} | {row['copy']:.3f} | {row['source']:.3f} | "
+                     f"{row['gap']:.3f} | {row['count']:,} |")
     lines.append(f"| all | {result['copy']:.3f} | {result['source']:.3f} | {result['gap']:.3f} | |")
     lines += ["", "| positions | loss (nats/byte) |", "|---|---|"]
     lines += [f"| {w['from']:,}–{w['to']:,} | {w['loss']:.3f} |" for w in result["by_position"]]
@@ -60,9 +60,8 @@ def recall_table(gate: dict) -> list[str]:
     for row in gate["bins"]:
         if not row["pairs"]:
             continue
-        high = "∞" if row["high"] is None else f"{row['high']:,}"
         cells = " | ".join(f"{r:.3f}" for r in row["recall_by_layer"])
-        lines.append(f"| {row['low']:,}–{high} | {row['pairs']:,} | {cells} | {row['chance']:.3f} |")
+        lines.append(f"| {bin_label(row['low'], row['high'])} | {row['pairs']:,} | {cells} | {row['chance']:.3f} |")
     return lines
 
 

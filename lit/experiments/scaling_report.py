@@ -35,6 +35,7 @@ from lit.cli.errors import fail
 from lit.cli.options import parse_dataclass
 from lit.experiments.scaling_law import PowerLaw, crossover, fit_power_law, t_975
 from lit.training import metric_names
+from lit.training.metrics import bin_label
 
 STAGE = "val"  # a sweep's result.json holds its runs' validation metrics
 WHOLE, TRAILING, BPB = metric_names.loss(STAGE), metric_names.trailing_loss(STAGE), metric_names.bits_per_byte(STAGE)
@@ -421,10 +422,6 @@ def distance_bins(rows: list[dict]) -> list[tuple[int, str]]:
     bins = rows[0][LONG_RANGE]["bins"]
     return [(i, bin_label(b["low"], b["high"])) for i, b in enumerate(bins)
             if any(r[LONG_RANGE]["bins"][i]["count"] for r in rows)]
-
-
-def bin_label(low: int, high: int | None) -> str:
-    return f"{low:,}–" + ("∞" if high is None else f"{high:,}")
 
 
 def gap_cell(gap: Gap) -> str:

@@ -181,6 +181,11 @@ def distance_bin(edges: Sequence[int], distance: int) -> int:
     return int(np.searchsorted(edges, distance, side="right"))
 
 
+def bin_label(low: int, high: int | None) -> str:
+    """``"128–256"``, or ``"512–∞"`` for the open last bin."""
+    return f"{low:,}–" + ("∞" if high is None else f"{high:,}")
+
+
 def scored_span_targets(spans: np.ndarray, valid: np.ndarray, skip: int):
     """Per copied span of one sequence: ``(copy targets [n], source targets [n], distance)``.
 
