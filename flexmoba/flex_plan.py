@@ -49,10 +49,9 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask
 
 from flexmoba import validation
-from flexmoba.block_mask import DEFAULT_BLOCK_SIZE, interval_block_tables
+from flexmoba.block_mask import DEFAULT_BLOCK_SIZE, attended_pairs, tables_from_pairs
 from flexmoba.compiled_flex import active_flex_attention, needs_sink
 from flexmoba.gate import Selection, select_chunks
-from flexmoba.gather import selected_pairs
 from flexmoba.masks import check_flex_index
 from flexmoba.pair_counts import past_chunk_slots
 from flexmoba.spec import Granularity, MobaSpec
@@ -171,7 +170,8 @@ def _exclusive_cumsum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def _own_rows(selection: Selection, H_kv: int, own_len: int, query_start: int = 0):
-    """Intervals and sources of the own rows, and the own slot's virtual row ``[B, H, S]``."""
+    """Intervals and sources of the own rows, the own slot's virtual row ``[B, H, S]``, and one
+    head's own intervals ``(start, end)``, each ``[B, own_len / G]`` (every head's are the same)."""
     layout = selection.layout
     B, H, S, _ = selection.past_chunks.shape
     G = H // H_kv
@@ -185,33 +185,38 @@ def _own_rows(selection: Selection, H_kv: int, own_len: int, query_start: int = 
     source = (head * S + t).reshape(1, 1, G * padded).expand(B, H_kv, -1)
     own_row = (head * padded + positions[:S]).expand(B, H_kv, G, S).reshape(B, H, S)
     expand = lambda x: x[:, None, None, :].expand(B, H_kv, G, padded).reshape(B, H_kv, own_len)  # noqa: E731
-    return expand(start), expand(end), source, own_row
+    return expand(start), expand(end), source, own_row, (start, end)
 
 
-def _past_rows(selection: Selection, H_kv: int, own_len: int, past_len: int, block_q: int, key_len: int):
-    """Intervals and sources of the past rows, and each past slot's virtual row ``[B, H, S, P]``."""
+def _past_rows(selection: Selection, H_kv: int, own_len: int, past_len: int, block_q: int):
+    """Intervals and sources of the past rows, each past slot's virtual row ``[B, H, S, P]``, and
+    each block of past rows' one interval ``(start, end)``, each ``[B, H_kv, past_len / block_q]``.
+
+    Pairs are bucketed by global chunk (``n`` buckets per KV row), each bucket padded to whole blocks.
+    """
     layout = selection.layout
     B, H, S, P = selection.past_chunks.shape
-    T = key_len
-    G, c = H // H_kv, layout.chunk_size
+    G, c, n = H // H_kv, layout.chunk_size, layout.n_global_chunks
+    R = B * H_kv
     device = selection.past_chunks.device
 
-    chunk_start = layout.doc_start[:, None, :, None] + selection.past_chunks * c  # [B, H, S, P]
-    key = torch.where(selection.past_valid, chunk_start, T).reshape(B * H_kv, G * S * P)
-    counts = torch.zeros(B * H_kv, T + 1, dtype=torch.long, device=device)
-    counts.scatter_add_(1, key, torch.ones_like(key))
-    counts = counts[:, :T]
+    global_chunk = layout.first_global_chunk[:, None, :, None] + selection.past_chunks  # [B, H, S, P]
+    key = torch.where(selection.past_valid, global_chunk, n).reshape(R, G * S * P)
+    counts = torch.zeros(R, n + 1, dtype=torch.long, device=device).scatter_add_(1, key, torch.ones_like(key))
+    chunk_start = (layout.doc_start[:, None, :, None] + selection.past_chunks * c).reshape(R, G * S * P)
+    key_start = torch.zeros_like(counts).scatter_(1, key, chunk_start)[:, :n]  # every pair of a bucket agrees
+    counts = counts[:, :n]
     blocks = (counts + block_q - 1) // block_q
-    first_row = own_len + _exclusive_cumsum(blocks) * block_q  # [R, S] first virtual row of chunk s
+    first_row = own_len + _exclusive_cumsum(blocks) * block_q  # [R, n] first virtual row of each chunk
 
-    sorted_key, order = torch.sort(key, dim=1, stable=True)
-    in_range = sorted_key < T
-    sorted_key = sorted_key.clamp(max=T - 1)
+    sorted_key, order = _sort_rows(key, n + 1)
+    in_range = sorted_key < n
+    sorted_key = sorted_key.clamp(max=n - 1)
     rank = torch.arange(key.shape[1], device=device) - _exclusive_cumsum(counts).gather(1, sorted_key)
     row_sorted = torch.where(in_range, first_row.gather(1, sorted_key) + rank, 0)
     rows = torch.empty_like(row_sorted).scatter_(1, order, row_sorted)  # [R, G*S*P]
 
-    source = torch.zeros(B * H_kv, own_len + past_len + 1, dtype=torch.long, device=device)
+    source = torch.zeros(R, own_len + past_len + 1, dtype=torch.long, device=device)
     query = torch.arange(G * S * P, device=device) // P  # head_in_group * S + t
     scatter_to = torch.where(in_range, row_sorted, own_len + past_len)  # unused pairs: a spare row
     source.scatter_(1, scatter_to, query[order])
@@ -219,14 +224,79 @@ def _past_rows(selection: Selection, H_kv: int, own_len: int, past_len: int, blo
 
     # Each block of past rows reads the one chunk it was laid out for.
     n_blocks = past_len // block_q
-    blocks_through = torch.cumsum(blocks, dim=1)  # [R, S]
-    block_index = torch.arange(n_blocks, device=device).expand(B * H_kv, n_blocks).contiguous()
-    block_chunk = torch.searchsorted(blocks_through, block_index, right=True)  # T where unused
-    used = block_chunk < T
-    start = torch.where(used, block_chunk, 0).repeat_interleave(block_q, dim=1)
-    end = torch.where(used, block_chunk + c, 0).repeat_interleave(block_q, dim=1)
+    block_index = torch.arange(n_blocks, device=device).expand(R, n_blocks).contiguous()
+    block_chunk = torch.searchsorted(torch.cumsum(blocks, dim=1), block_index, right=True)  # n where unused
+    used = block_chunk < n
+    block_start = torch.where(used, key_start.gather(1, block_chunk.clamp(max=n - 1)), 0)
+    block_end = torch.where(used, block_start + c, 0)
+    start, end = block_start.repeat_interleave(block_q, dim=1), block_end.repeat_interleave(block_q, dim=1)
     view = lambda x: x.view(B, H_kv, -1)  # noqa: E731
-    return view(start), view(end), view(source), rows.view(B, H, S, P)
+    return view(start), view(end), view(source), rows.view(B, H, S, P), (view(block_start), view(block_end))
+
+
+def _sort_rows(key: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stable sort of each row of ``key: [R, M]`` (values in ``[0, bound)``) -> (sorted, order), each
+    ``[R, M]`` int64. One flat sort of ``row * bound + key`` in the smallest integer type that holds
+    it: on CPU torch sorts one flat small-int tensor ~10x faster than the same keys by rows."""
+    R, M = key.shape
+    flat_bound = R * bound
+    dtype = torch.int16 if flat_bound <= 2**15 else torch.int32 if flat_bound <= 2**31 else torch.long
+    row = torch.arange(R, device=key.device)[:, None]
+    flat, order = torch.sort((row * bound + key).to(dtype).flatten(), stable=True)
+    return flat.view(R, M) - row * bound, order.view(R, M) - row * M
+
+
+def _own_tables(start: torch.Tensor, end: torch.Tensor, G: int, H_kv: int, block_size: tuple[int, int],
+                kv_len: int, sink_at: int | None) -> tuple[torch.Tensor, ...]:
+    """Block tables (partial count, indices, full count, indices) of the own rows, each
+    ``[B, H_kv, G * n / Bq, ...]``, from one head's own intervals ``start, end: [B, n]``: every
+    query head's own rows read the same keys, so their tables are built once."""
+    starts, ends = start[:, None, :, None], end[:, None, :, None]  # [B, 1, n, 1]
+    if sink_at is not None:
+        used = ends > 0
+        starts = torch.cat([starts, torch.where(used, sink_at, 0)], -1)
+        ends = torch.cat([ends, torch.where(used, sink_at + 1, 0)], -1)
+    tables = tables_from_pairs(attended_pairs(starts, ends, block_size, kv_len), block_size, start.shape[1], kv_len)
+    repeated = (t.repeat(1, 1, G, *[1] * (t.dim() - 3)) for t in tables)
+    return tuple(t.expand(-1, H_kv, *t.shape[2:]) for t in repeated)
+
+
+def _past_tables(start: torch.Tensor, end: torch.Tensor, span: int, block_size: tuple[int, int], kv_len: int,
+                 sink_at: int | None) -> tuple[torch.Tensor, ...]:
+    """Block tables (partial count, indices, full count, indices) of the past rows, whose n blocks
+    each read one interval ``[start, end)`` of at most ``span`` keys with all their rows
+    (``start, end: [B, H_kv, n]``, empty for unused blocks), plus the sink key.
+
+    An interval touches at most ``ceil(span / Bk) + 1`` consecutive key blocks, so only those
+    (and the sink's) are candidates: ``[B, H_kv, n, W]``, not every key block.
+    """
+    Bq, Bk = block_size
+    window = torch.arange(-(-span // Bk) + 1, device=start.device)
+    block = (start // Bk)[..., None] + window  # [B, H_kv, n, W], increasing
+    block_len = ((block + 1) * Bk).clamp(max=kv_len) - block * Bk  # <= 0 past the last key block
+    overlap = (torch.minimum(end[..., None], block_len + block * Bk) - torch.maximum(start[..., None], block * Bk))
+    overlap = overlap.clamp(min=0)
+    if sink_at is not None:
+        used = (end > start)[..., None]
+        sink_block = sink_at // Bk
+        overlap = overlap + ((block == sink_block) & used)
+        beyond = used & (block[..., -1:] < sink_block)  # the window stops before the sink's block
+        block = torch.cat([block, torch.full_like(block[..., :1], sink_block)], -1)
+        overlap = torch.cat([overlap, beyond.long()], -1)
+        block_len = torch.cat([block_len, torch.full_like(block_len[..., :1], kv_len - sink_block * Bk)], -1)
+    full = (overlap == block_len) & (overlap > 0)
+    n_blocks = -(-kv_len // Bk)
+    return (*_listed_first((overlap > 0) & ~full, block, n_blocks), *_listed_first(full, block, n_blocks))
+
+
+def _listed_first(listed: torch.Tensor, block: torch.Tensor, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates ``block: [..., W]`` (increasing), ``listed: [..., W]`` bool -> (count ``[...]``,
+    indices ``[..., n_blocks]``), both int32: the listed blocks first, zeros after."""
+    W = listed.shape[-1]
+    slot = torch.where(listed, listed.cumsum(-1) - 1, W)  # unlisted: a spare column
+    indices = torch.zeros(*listed.shape[:-1], max(W, n_blocks) + 1, dtype=torch.int32, device=listed.device)
+    indices.scatter_(-1, slot, block.to(torch.int32))
+    return listed.sum(-1, dtype=torch.int32), indices[..., :n_blocks]
 
 
 def _interval_mask_mod(key_start: torch.Tensor, key_end: torch.Tensor, sink_at: int | None):
@@ -261,25 +331,23 @@ def plan_from_selection(selection: Selection, kv_heads: int, *, block_size: int 
     # Past slots only exist where some query may have a past chunk.
     own_len, past_len = virtual_lengths(G, S, selection.layout.chunk_size, P + 1, Bq, query_start)
     with torch.no_grad():
-        own_start, own_end, own_source, own_row = _own_rows(selection, kv_heads, own_len, query_start)
+        kv_len, sink_at = T + int(sink), T if sink else None
+        own_start, own_end, own_source, own_row, own_intervals = _own_rows(selection, kv_heads, own_len, query_start)
+        tables = _own_tables(*own_intervals, G, kv_heads, (Bq, Bk), kv_len, sink_at)
         if P > 0:
-            past_start, past_end, past_source, past_row = _past_rows(selection, kv_heads, own_len, past_len, Bq, T)
+            past_start, past_end, past_source, past_row, past_intervals = _past_rows(
+                selection, kv_heads, own_len, past_len, Bq)
             key_start = torch.cat([own_start, past_start], 2)
             key_end = torch.cat([own_end, past_end], 2)
             source = torch.cat([own_source, past_source], 2)
             rows = torch.cat([own_row[..., None], past_row], -1)
+            past_tables = _past_tables(*past_intervals, selection.layout.chunk_size, (Bq, Bk), kv_len, sink_at)
+            tables = tuple(torch.cat(pair, 2) for pair in zip(tables, past_tables, strict=True))
         else:
             key_start, key_end, source, rows = own_start, own_end, own_source.contiguous(), own_row[..., None]
-        _, valid = selected_pairs(selection)
-        valid = torch.cat([valid[..., -1:], valid[..., :-1]], -1)  # own slot first
-        starts, ends = key_start[..., None], key_end[..., None]
-        if sink:
-            used = key_end > 0
-            starts = torch.cat([starts, torch.where(used, T, 0)[..., None]], -1)
-            ends = torch.cat([ends, torch.where(used, T + 1, 0)[..., None]], -1)
-        kv_len = T + int(sink)
-        mask_mod = _interval_mask_mod(key_start, key_end, T if sink else None)
-        tables = interval_block_tables(starts, ends, (Bq, Bk), kv_len)
+            tables = tuple(t.contiguous() for t in tables)
+        valid = F.pad(selection.past_valid, (1, 0), value=True)  # own slot first
+        mask_mod = _interval_mask_mod(key_start, key_end, sink_at)
         block_mask = BlockMask.from_kv_blocks(
             *tables, BLOCK_SIZE=(Bq, Bk), mask_mod=mask_mod, seq_lengths=(key_start.shape[-1], kv_len),
             compute_q_blocks=compute_q_blocks)
