@@ -100,17 +100,21 @@ def attended_pairs(starts: torch.Tensor, ends: torch.Tensor, block_size: tuple[i
     return (lengths + inside * Bk)[..., :n_blocks]
 
 
-def _ordered_table(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[B, H, T, N]`` bool -> (count ``[B, H, T]``, indices ``[B, H, T, N]``), both int32.
+def listed_first(listed: torch.Tensor, block: torch.Tensor, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidate key blocks ``block: [..., W]`` (increasing) and whether each is ``listed``
+    (``[..., W]`` bool) -> (count ``[...]``, indices ``[..., n_blocks]``), both int32: the
+    listed blocks first, in increasing order; zeros pad the row."""
+    W = listed.shape[-1]
+    slot = torch.where(listed, listed.cumsum(-1) - 1, W)  # unlisted: a spare column
+    indices = torch.zeros(*listed.shape[:-1], max(W, n_blocks) + 1, dtype=torch.int32, device=listed.device)
+    indices.scatter_(-1, slot, block.to(torch.int32))
+    return listed.sum(-1, dtype=torch.int32), indices[..., :n_blocks].contiguous()
 
-    The listed blocks come first, in increasing order; zeros pad the row.
-    """
+
+def _ordered_table(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, H, T, N]`` bool over every key block -> (count ``[B, H, T]``, indices ``[B, H, T, N]``)."""
     N = blocks.shape[-1]
-    count = blocks.sum(-1, dtype=torch.int32)
-    slot = torch.where(blocks, blocks.cumsum(-1, dtype=torch.int32) - 1, N)  # unlisted: a spare column
-    indices = torch.zeros(*blocks.shape[:-1], N + 1, dtype=torch.int32, device=blocks.device)
-    indices.scatter_(-1, slot.long(), torch.arange(N, dtype=torch.int32, device=blocks.device).expand_as(slot))
-    return count, indices[..., :N].contiguous()
+    return listed_first(blocks, torch.arange(N, device=blocks.device).expand_as(blocks), N)
 
 
 def interval_block_tables(starts: torch.Tensor, ends: torch.Tensor, block_size: tuple[int, int], kv_len: int):

@@ -49,9 +49,10 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask
 
 from flexmoba import validation
-from flexmoba.block_mask import DEFAULT_BLOCK_SIZE, attended_pairs, tables_from_pairs
+from flexmoba.block_mask import DEFAULT_BLOCK_SIZE, attended_pairs, listed_first, tables_from_pairs
 from flexmoba.compiled_flex import active_flex_attention, needs_sink
 from flexmoba.gate import Selection, select_chunks
+from flexmoba.gather import sort_key_dtype
 from flexmoba.masks import check_flex_index
 from flexmoba.pair_counts import past_chunk_slots
 from flexmoba.spec import Granularity, MobaSpec
@@ -239,10 +240,8 @@ def _sort_rows(key: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tenso
     ``[R, M]`` int64. One flat sort of ``row * bound + key`` in the smallest integer type that holds
     it: on CPU torch sorts one flat small-int tensor ~10x faster than the same keys by rows."""
     R, M = key.shape
-    flat_bound = R * bound
-    dtype = torch.int16 if flat_bound <= 2**15 else torch.int32 if flat_bound <= 2**31 else torch.long
     row = torch.arange(R, device=key.device)[:, None]
-    flat, order = torch.sort((row * bound + key).to(dtype).flatten(), stable=True)
+    flat, order = torch.sort((row * bound + key).to(sort_key_dtype(R * bound - 1)).flatten(), stable=True)
     return flat.view(R, M) - row * bound, order.view(R, M) - row * M
 
 
@@ -286,17 +285,7 @@ def _past_tables(start: torch.Tensor, end: torch.Tensor, span: int, block_size: 
         block_len = torch.cat([block_len, torch.full_like(block_len[..., :1], kv_len - sink_block * Bk)], -1)
     full = (overlap == block_len) & (overlap > 0)
     n_blocks = -(-kv_len // Bk)
-    return (*_listed_first((overlap > 0) & ~full, block, n_blocks), *_listed_first(full, block, n_blocks))
-
-
-def _listed_first(listed: torch.Tensor, block: torch.Tensor, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Candidates ``block: [..., W]`` (increasing), ``listed: [..., W]`` bool -> (count ``[...]``,
-    indices ``[..., n_blocks]``), both int32: the listed blocks first, zeros after."""
-    W = listed.shape[-1]
-    slot = torch.where(listed, listed.cumsum(-1) - 1, W)  # unlisted: a spare column
-    indices = torch.zeros(*listed.shape[:-1], max(W, n_blocks) + 1, dtype=torch.int32, device=listed.device)
-    indices.scatter_(-1, slot, block.to(torch.int32))
-    return listed.sum(-1, dtype=torch.int32), indices[..., :n_blocks]
+    return (*listed_first((overlap > 0) & ~full, block, n_blocks), *listed_first(full, block, n_blocks))
 
 
 def _interval_mask_mod(key_start: torch.Tensor, key_end: torch.Tensor, sink_at: int | None):

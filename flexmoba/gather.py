@@ -71,6 +71,11 @@ class PastPairs:
     segments: list[Segment]
 
 
+def sort_key_dtype(max_value: int) -> torch.dtype:
+    """The smallest integer type holding ``0 .. max_value``, for sort keys."""
+    return torch.int16 if max_value < 2**15 else torch.int32 if max_value < 2**31 else torch.long
+
+
 def past_pairs(selection: Selection, kv_heads: int) -> PastPairs:
     """Sort the selected past pairs by (KV row, global chunk); one host read sizes the segments.
 
@@ -85,11 +90,9 @@ def past_pairs(selection: Selection, kv_heads: int) -> PastPairs:
               + torch.arange(H, device=device) // (H // kv_heads))[:, :, None, None]  # [B, H, 1, 1]
     global_chunk = layout.first_global_chunk[:, None, :, None] + selection.past_chunks  # [B, H, S, P]
     n_buckets = B * kv_heads * n_global
-    # The sort key is the smallest integer type that holds every bucket and the "unused" one past them.
-    dtype = torch.int16 if n_buckets < 2**15 else torch.int32 if n_buckets < 2**31 else torch.long
     bucket = torch.where(selection.past_valid, kv_row * n_global + global_chunk, n_buckets).flatten()
     counts = torch.bincount(bucket, minlength=n_buckets + 1)[:n_buckets]
-    slot = torch.argsort(bucket.to(dtype), stable=True)
+    slot = torch.argsort(bucket.to(sort_key_dtype(n_buckets)), stable=True)  # "unused" is bucket n_buckets
     start = layout.doc_start[:, None, :, None] + selection.past_chunks * layout.chunk_size  # [B, H, S, P]
     starts = torch.zeros(n_buckets + 1, dtype=torch.long, device=device).scatter_(0, bucket, start.flatten())
     used = counts.nonzero().squeeze(1)
