@@ -20,6 +20,7 @@ share one selection: MoBA at tile granularity, an ablation, not the paper's mode
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -177,15 +178,19 @@ def select_past_chunks(scores: torch.Tensor, own: torch.Tensor, top_k: int) -> t
     return indices, scores.gather(-1, indices) > float("-inf")
 
 
-# Query chunks scored together against one block of candidate chunks; more groups waste less
-# of the causal triangle, fewer groups run fewer (smaller) products.
+# Query chunks scored together against one block of candidate chunks. g groups compute the causal
+# part of the scores and about 1/g of it again; each group costs a fixed run of small calls, so the
+# best g grows as the square root of the work: sqrt(causal scores / GROUP_SCORES), at most
+# MAX_QUERY_GROUPS (measured on CPU: one group at 1K tokens and 8 chunks, 8 to 16 at 32K and 64).
 MAX_QUERY_GROUPS = 16
+GROUP_SCORES = 2**16
 
 
-def query_chunk_groups(n_chunks: int) -> list[tuple[int, int]]:
-    """``[(first, end), ...]``: the query chunks ``1 .. n_chunks - 1`` in at most
-    :data:`MAX_QUERY_GROUPS` consecutive groups (chunk 0 has no past)."""
-    size = -(-(n_chunks - 1) // MAX_QUERY_GROUPS)
+def query_chunk_groups(n_chunks: int, causal_scores: int) -> list[tuple[int, int]]:
+    """``[(first, end), ...]``: the query chunks ``1 .. n_chunks - 1`` (chunk 0 has no past) in consecutive
+    groups, as many as ``causal_scores`` (the scores of the causal part) is worth."""
+    n_groups = min(MAX_QUERY_GROUPS, n_chunks - 1, max(1, round(math.sqrt(causal_scores / GROUP_SCORES))))
+    size = -(-(n_chunks - 1) // n_groups)
     return [(first, min(first + size, n_chunks)) for first in range(1, n_chunks, size)]
 
 
@@ -203,39 +208,51 @@ def select_past_chunks_on_grid(
     B, H, R, D = rows.shape
     H_kv, N = means.shape[1], means.shape[2]
     P = min(top_k - 1, N - 1)
-    indices = torch.zeros(B, H_kv, H // H_kv, R, P, dtype=torch.long, device=rows.device)
-    valid = torch.zeros(B, H_kv, H // H_kv, R, P, dtype=torch.bool, device=rows.device)
-    grouped = rows.view(B, H_kv, H // H_kv, R, D)
-    latest_first = means.flip(2).transpose(-1, -2)[:, :, None]  # [B, H_kv, 1, D, N]: column i is chunk N-1-i
-    for first, end in query_chunk_groups(N) if P else []:
-        n_past = end - 1  # the group's past: chunks 0 .. end-2, as columns end-2 .. 0
-        rows_slice = slice(first * rows_per_chunk, min(end * rows_per_chunk, R))
-        scores = _no_autocast_matmul(grouped[:, :, :, rows_slice], latest_first[..., N - n_past:])
-        scores.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
-        if end - first > 1:  # rows of the group's earlier chunks: their own chunk and later are not past
-            own = torch.arange(rows_slice.start, rows_slice.stop, device=rows.device) // rows_per_chunk
-            column = torch.arange(n_past, device=rows.device)
-            scores.masked_fill_(column < n_past - own[:, None], float("-inf"))
+    indices = torch.zeros(B, H_kv, H // H_kv, P, R, dtype=torch.long, device=rows.device)
+    valid = torch.zeros(B, H_kv, H // H_kv, P, R, dtype=torch.bool, device=rows.device)
+    by_column = rows.view(B, H_kv, H // H_kv, R, D).transpose(-1, -2)  # [B, H_kv, g, D, R], a view
+    latest_first = means.flip(2)[:, :, None]  # [B, H_kv, 1, N, D]: row i is chunk N-1-i
+    for first, end in query_chunk_groups(N, B * H * R * (N - 1) // 2) if P else []:
+        n_past = end - 1  # the group's past: chunks 0 .. end-2, as score rows end-2 .. 0
+        columns = slice(first * rows_per_chunk, min(end * rows_per_chunk, R))
+        scores = _no_autocast_matmul(latest_first[:, :, :, N - n_past:], by_column[..., columns])  # [.., n_past, r]
+        if end - first > 1:  # columns of the group's earlier chunks: their own chunk and later are not past
+            scores.add_(_not_past_bias(n_past, columns, rows_per_chunk, rows.device))
+        scores.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))  # inf - inf: not past
         taken = min(P, n_past)
-        indices[:, :, :, rows_slice, :taken], valid[:, :, :, rows_slice, :taken] = _latest_first_maxima(scores, taken)
-    return indices.view(B, H, R, P), valid.view(B, H, R, P)
+        indices[..., :taken, columns], valid[..., :taken, columns] = _latest_first_maxima(scores, taken)
+    return indices.view(B, H, P, R).transpose(-1, -2), valid.view(B, H, P, R).transpose(-1, -2)
+
+
+def _not_past_bias(n_past: int, columns: slice, rows_per_chunk: int, device) -> torch.Tensor:
+    """``[n_past, r]`` fp32: -inf where score row i (chunk ``n_past - 1 - i``) is not in the past of
+    column r (row ``columns.start + r``), else 0. Added to the scores, as a masked fill costs far more."""
+    own = torch.arange(columns.start, columns.stop, device=device) // rows_per_chunk
+    chunk = n_past - 1 - torch.arange(n_past, device=device)[:, None]
+    return torch.zeros(n_past, len(own), device=device).masked_fill_(chunk >= own, float("-inf"))
 
 
 def _latest_first_maxima(scores: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``count`` best of ``scores: [..., n_past]`` (no NaN; column i is past chunk ``n_past - 1 - i``)
-    as ``(chunk indices, valid)``, each ``[..., count]``, best first; overwrites ``scores``.
+    """The ``count`` best chunks of each column of ``scores: [..., n_past, r]`` (no NaN; row i is past
+    chunk ``n_past - 1 - i``) as ``(chunk indices, valid)``, each ``[..., count, r]``, best first;
+    overwrites ``scores``.
 
-    ``max`` returns the first maximum, the later chunk of an exact tie; a taken chunk is set to -inf.
+    Of equal maxima the first row, the later chunk, wins; a taken chunk is set to -inf. The first
+    row holding the maximum comes from ``amax`` over rows ranked ``n_past .. 1``: on CPU these
+    passes cost a tenth of one ``max`` with indices over rows.
     """
-    n_past = scores.shape[-1]
+    n_past = scores.shape[-2]
+    rank_dtype = torch.int16 if n_past < 2**15 else torch.int32
+    rank = torch.arange(n_past, 0, -1, dtype=rank_dtype, device=scores.device)[:, None]
     indices, valid = [], []
     for slot in range(count):
-        best, column = scores.max(-1)
-        indices.append(n_past - 1 - column)
+        best = scores.amax(-2, keepdim=True)
+        first = (scores == best).to(rank_dtype).mul_(rank).amax(-2, keepdim=True)  # n_past - row = chunk + 1
+        indices.append(first.long() - 1)
         valid.append(best > float("-inf"))
         if slot + 1 < count:
-            scores.scatter_(-1, column[..., None], float("-inf"))
-    return torch.stack(indices, -1), torch.stack(valid, -1)
+            scores.scatter_(-2, n_past - indices[-1] - 1, float("-inf"))
+    return torch.cat(indices, -2), torch.cat(valid, -2)
 
 
 def select_before_chunk(
@@ -251,15 +268,17 @@ def select_before_chunk(
     B, H, R, D = rows.shape
     H_kv, N = means.shape[1], means.shape[2]
     P = min(top_k - 1, N - 1)
-    indices = torch.zeros(B, H, R, P, dtype=torch.long, device=rows.device)
-    valid = torch.zeros(B, H, R, P, dtype=torch.bool, device=rows.device)
+    indices = torch.zeros(B, H_kv, P, (H // H_kv) * R, dtype=torch.long, device=rows.device)
+    valid = torch.zeros(B, H_kv, P, (H // H_kv) * R, dtype=torch.bool, device=rows.device)
     taken = min(P, own)
     if taken:
-        latest_first = means[:, :, :own].flip(2).transpose(-1, -2)  # [B, H_kv, D, own]
-        scores = _no_autocast_matmul(rows.reshape(B, H_kv, (H // H_kv) * R, D), latest_first).view(B, H, R, own)
+        latest_first = means[:, :, :own].flip(2)  # [B, H_kv, own, D]
+        by_column = rows.reshape(B, H_kv, (H // H_kv) * R, D).transpose(-1, -2)
+        scores = _no_autocast_matmul(latest_first, by_column)  # [B, H_kv, own, g * R]
         scores.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
-        indices[..., :taken], valid[..., :taken] = _latest_first_maxima(scores, taken)
-    return indices, valid
+        indices[:, :, :taken], valid[:, :, :taken] = _latest_first_maxima(scores, taken)
+    per_head = lambda x: x.view(B, H_kv, P, H // H_kv, R).permute(0, 1, 3, 4, 2).reshape(B, H, R, P)  # noqa: E731
+    return per_head(indices), per_head(valid)
 
 
 def _no_autocast_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from flexmoba import dense_moba_mask, moba_selection, select_chunks
+from flexmoba import dense_moba_mask, gate, moba_selection, select_chunks
 
 import oracle
 from strategies import EXAMPLES, describe, more_examples, problems, with_examples
@@ -47,6 +47,20 @@ def test_selection_equals_oracle(problem):
     got = dense_moba_mask(select_chunks(problem.q, problem.k, **problem.kwargs))
     expected = oracle.dense_mask(problem.q, problem.k, **problem.kwargs)
     assert torch.equal(got, expected), problem
+
+
+@more_examples()
+@with_examples()
+@given(problems())
+def test_selection_in_one_group_per_query_chunk_equals_oracle(problem):
+    """Small problems score all query chunks as one group; this scores each apart (up to 16 groups)."""
+    original = gate.GROUP_SCORES
+    gate.GROUP_SCORES = 1
+    try:
+        got = dense_moba_mask(select_chunks(problem.q, problem.k, **problem.kwargs))
+    finally:
+        gate.GROUP_SCORES = original
+    assert torch.equal(got, oracle.dense_mask(problem.q, problem.k, **problem.kwargs)), problem
 
 
 @more_examples()
