@@ -379,8 +379,9 @@ def _backward_segments(grad_out, q, k, v, out, lse, dq, dk, dv, scale: float, pa
     """Add the past pairs' gradients to ``dq, dk, dv``, one segment at a time."""
     q_rows, k_rows, v_rows = _rows(q, k, v)
     g_rows, o_rows = grad_out.reshape(-1, v.shape[-1]), out.reshape(-1, v.shape[-1])
-    B, H_kv = k.shape[:2]
-    dq_rows, dk_rows, dv_rows = dq.view(-1, q.shape[-1]), dk.view(B * H_kv, -1, k.shape[-1]), dv.view(B * H_kv, -1, v.shape[-1])
+    kv_rows = k.shape[0] * k.shape[1]
+    dq_rows = dq.view(-1, q.shape[-1])
+    dk_rows, dv_rows = dk.view(kv_rows, -1, k.shape[-1]), dv.view(kv_rows, -1, v.shape[-1])  # views: written in place
     for seg in pairs.segments:
         query = pairs.query[seg.offset:seg.offset + seg.count]
         keys = slice(seg.start, seg.start + seg.length)
