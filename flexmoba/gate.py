@@ -232,26 +232,35 @@ def _not_past_bias(n_past: int, columns: slice, rows_per_chunk: int, device) -> 
     return torch.zeros(n_past, len(own), device=device).masked_fill_(chunk >= own, float("-inf"))
 
 
+# Up to this many scores, ``max`` with its indices (one call per slot) costs less than the amax
+# passes that replace it on large blocks of scores (decoding's gate: a few chunks per head).
+FEW_SCORES = 2**14
+
+
 def _latest_first_maxima(scores: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``count`` best chunks of each column of ``scores: [..., n_past, r]`` (no NaN; row i is past
     chunk ``n_past - 1 - i``) as ``(chunk indices, valid)``, each ``[..., count, r]``, best first;
     overwrites ``scores``.
 
-    Of equal maxima the first row, the later chunk, wins; a taken chunk is set to -inf. The first
-    row holding the maximum comes from ``amax`` over rows ranked ``n_past .. 1``: on CPU these
-    passes cost a tenth of one ``max`` with indices over rows.
+    Of equal maxima the first row, the later chunk, wins; a taken chunk is set to -inf. ``max``
+    returns the first row holding the maximum; on many scores the same row comes from ``amax``
+    over rows ranked ``n_past .. 1``, whose passes cost a tenth of ``max`` with indices on CPU.
     """
     n_past = scores.shape[-2]
+    few = scores.numel() <= FEW_SCORES
     rank_dtype = torch.int16 if n_past < 2**15 else torch.int32
-    rank = torch.arange(n_past, 0, -1, dtype=rank_dtype, device=scores.device)[:, None]
+    rank = None if few else torch.arange(n_past, 0, -1, dtype=rank_dtype, device=scores.device)[:, None]
     indices, valid = [], []
     for slot in range(count):
-        best = scores.amax(-2, keepdim=True)
-        first = (scores == best).to(rank_dtype).mul_(rank).amax(-2, keepdim=True)  # n_past - row = chunk + 1
-        indices.append(first.long() - 1)
+        if few:
+            best, row = scores.max(-2, keepdim=True)
+        else:
+            best = scores.amax(-2, keepdim=True)
+            row = n_past - (scores == best).to(rank_dtype).mul_(rank).amax(-2, keepdim=True).long()
+        indices.append(n_past - 1 - row)
         valid.append(best > float("-inf"))
         if slot + 1 < count:
-            scores.scatter_(-2, n_past - indices[-1] - 1, float("-inf"))
+            scores.scatter_(-2, row, float("-inf"))
     return torch.cat(indices, -2), torch.cat(valid, -2)
 
 
@@ -267,18 +276,19 @@ def select_before_chunk(
     """
     B, H, R, D = rows.shape
     H_kv, N = means.shape[1], means.shape[2]
-    P = min(top_k - 1, N - 1)
-    indices = torch.zeros(B, H_kv, P, (H // H_kv) * R, dtype=torch.long, device=rows.device)
-    valid = torch.zeros(B, H_kv, P, (H // H_kv) * R, dtype=torch.bool, device=rows.device)
-    taken = min(P, own)
+    P, taken = min(top_k - 1, N - 1), min(top_k - 1, own)
     if taken:
-        latest_first = means[:, :, :own].flip(2)  # [B, H_kv, own, D]
         by_column = rows.reshape(B, H_kv, (H // H_kv) * R, D).transpose(-1, -2)
-        scores = _no_autocast_matmul(latest_first, by_column)  # [B, H_kv, own, g * R]
+        scores = _no_autocast_matmul(means[:, :, :own], by_column).flip(2)  # [B, H_kv, own, g * R], latest first
         scores.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
-        indices[:, :, :taken], valid[:, :, :taken] = _latest_first_maxima(scores, taken)
+        indices, valid = _latest_first_maxima(scores, taken)
+    else:
+        indices = valid = rows.new_empty(B, H_kv, 0, (H // H_kv) * R)
+    if taken < P:  # fewer past chunks than slots
+        indices = F.pad(indices, (0, 0, 0, P - taken))
+        valid = F.pad(valid, (0, 0, 0, P - taken), value=False)
     per_head = lambda x: x.view(B, H_kv, P, H // H_kv, R).permute(0, 1, 3, 4, 2).reshape(B, H, R, P)  # noqa: E731
-    return per_head(indices), per_head(valid)
+    return per_head(indices.long()), per_head(valid.bool())
 
 
 def _no_autocast_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -103,6 +103,9 @@ class ChunkKeySums:
             return
         end = self.length + S_new
         self._grow(self.chunks_spanned(end))
+        if S_new == 1 and not self.padded:  # decoding's step: one key, in the same chunk of every row
+            self._absorb_one(k_new[:, :, 0])
+            return
         for b, j, offset, n, src in self._spans(self.length, end):
             piece = k_new[b, :, src: src + n]  # [H_kv, n, D]
             total = self.sums[b, :, j]
@@ -113,6 +116,17 @@ class ChunkKeySums:
                 self.blocks[b, :, j, :, offset: offset + n] = piece.transpose(-1, -2)
         self.length = end
         self.last_key = k_new[:, :, -1].detach().clone()
+
+    def _absorb_one(self, key: torch.Tensor) -> None:
+        """:meth:`update` with the key ``[B, H_kv, D]`` of position ``length`` in rows without padding."""
+        j, offset = divmod(self.length, self.chunk_size)
+        total = self.sums[:, :, j]
+        total += key
+        self._means[:, :, j] = (total / (offset + 1)).to(self.key_dtype)
+        if self.blocks is not None:
+            self.blocks[:, :, j, :, offset] = key
+        self.length += 1
+        self.last_key = key.detach().clone()
 
     def means(self) -> torch.Tensor:
         """``[B, H_kv, n_chunks, D]`` fp32 chunk means, rounded through the key dtype like
