@@ -77,8 +77,10 @@ def attended_pairs(starts: torch.Tensor, ends: torch.Tensor, block_size: tuple[i
     width = n_blocks + 1  # one spare column for the difference array
 
     head_row = torch.arange(B * H, device=device).view(B, H, 1) * n_tiles
-    row = ((head_row + rows.position // Bq) * width)[..., None]  # [B, H, R, 1]: flat offset of (b, h, tile, 0)
-    weight = rows.weight[:, None]
+    row = ((head_row + rows.position // Bq) * width)[..., None, :]  # [B, H, 1, R]: flat offset of (b, h, tile, 0)
+    weight = rows.weight
+    # Rows last, [B, H, K, R]: with few intervals per row, elementwise ops over a last dim of K run slowly.
+    starts, ends = starts.transpose(-1, -2).contiguous(), ends.transpose(-1, -2).contiguous()
 
     nonempty = ends > starts
     first_block = starts // Bk

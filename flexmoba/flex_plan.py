@@ -202,7 +202,8 @@ def _past_rows(selection: Selection, H_kv: int, own_len: int, past_len: int, blo
     device = selection.past_chunks.device
 
     global_chunk = layout.first_global_chunk[:, None, :, None] + selection.past_chunks  # [B, H, S, P]
-    key = torch.where(selection.past_valid, global_chunk, n).reshape(R, G * S * P)
+    # Masks enter as 0/1 factors: on CPU torch.where costs several times the arithmetic.
+    key = (n - selection.past_valid * (n - global_chunk)).reshape(R, G * S * P)  # n: unused
     counts = torch.zeros(R, n + 1, dtype=torch.long, device=device).scatter_add_(1, key, torch.ones_like(key))
     chunk_start = (layout.doc_start[:, None, :, None] + selection.past_chunks * c).reshape(R, G * S * P)
     key_start = torch.zeros_like(counts).scatter_(1, key, chunk_start)[:, :n]  # every pair of a bucket agrees
@@ -214,13 +215,14 @@ def _past_rows(selection: Selection, H_kv: int, own_len: int, past_len: int, blo
     in_range = sorted_key < n
     sorted_key = sorted_key.clamp(max=n - 1)
     rank = torch.arange(key.shape[1], device=device) - _exclusive_cumsum(counts).gather(1, sorted_key)
-    row_sorted = torch.where(in_range, first_row.gather(1, sorted_key) + rank, 0)
+    row_sorted = (first_row.gather(1, sorted_key) + rank) * in_range  # unused pairs: row 0
     rows = torch.empty_like(row_sorted).scatter_(1, order, row_sorted)  # [R, G*S*P]
 
     source = torch.zeros(R, own_len + past_len + 1, dtype=torch.long, device=device)
-    query = torch.arange(G * S * P, device=device) // P  # head_in_group * S + t
-    scatter_to = torch.where(in_range, row_sorted, own_len + past_len)  # unused pairs: a spare row
-    source.scatter_(1, scatter_to, query[order])
+    query = torch.arange(G * S, device=device).repeat_interleave(P)  # head_in_group * S + t, per pair
+    spare = own_len + past_len  # unused pairs write here
+    scatter_to = spare - in_range * (spare - row_sorted)
+    source.scatter_(1, scatter_to, query.index_select(0, order.flatten()).view_as(order))
     source = source[:, own_len:own_len + past_len]
 
     # Each block of past rows reads the one chunk it was laid out for.

@@ -212,24 +212,30 @@ def select_past_chunks_on_grid(
     valid = torch.zeros(B, H_kv, H // H_kv, P, R, dtype=torch.bool, device=rows.device)
     by_column = rows.view(B, H_kv, H // H_kv, R, D).transpose(-1, -2)  # [B, H_kv, g, D, R], a view
     latest_first = means.flip(2)[:, :, None]  # [B, H_kv, 1, N, D]: row i is chunk N-1-i
+    biases = {}
     for first, end in query_chunk_groups(N, B * H * R * (N - 1) // 2) if P else []:
         n_past = end - 1  # the group's past: chunks 0 .. end-2, as score rows end-2 .. 0
         columns = slice(first * rows_per_chunk, min(end * rows_per_chunk, R))
         scores = _no_autocast_matmul(latest_first[:, :, :, N - n_past:], by_column[..., columns])  # [.., n_past, r]
-        if end - first > 1:  # columns of the group's earlier chunks: their own chunk and later are not past
-            scores.add_(_not_past_bias(n_past, columns, rows_per_chunk, rows.device))
+        if end - first > 1:  # the top rows, chunks first .. end-2, are not in the past of every column
+            key = (end - first, columns.stop - columns.start)
+            if key not in biases:
+                biases[key] = _not_past_bias(end - first - 1, key[1], rows_per_chunk, rows.device)
+            scores[..., :end - first - 1, :].add_(biases[key])
         scores.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))  # inf - inf: not past
         taken = min(P, n_past)
         indices[..., :taken, columns], valid[..., :taken, columns] = _latest_first_maxima(scores, taken)
     return indices.view(B, H, P, R).transpose(-1, -2), valid.view(B, H, P, R).transpose(-1, -2)
 
 
-def _not_past_bias(n_past: int, columns: slice, rows_per_chunk: int, device) -> torch.Tensor:
-    """``[n_past, r]`` fp32: -inf where score row i (chunk ``n_past - 1 - i``) is not in the past of
-    column r (row ``columns.start + r``), else 0. Added to the scores, as a masked fill costs far more."""
-    own = torch.arange(columns.start, columns.stop, device=device) // rows_per_chunk
-    chunk = n_past - 1 - torch.arange(n_past, device=device)[:, None]
-    return torch.zeros(n_past, len(own), device=device).masked_fill_(chunk >= own, float("-inf"))
+def _not_past_bias(n_rows: int, n_columns: int, rows_per_chunk: int, device) -> torch.Tensor:
+    """``[n_rows, n_columns]`` fp32 for the top score rows of a group of query chunks: row i is chunk
+    ``n_rows - 1 - i`` counted from the group's first chunk, column r a row of chunk ``r // rows_per_chunk``
+    of the group; -inf where that chunk is the row's own or later, else 0. Added to the scores, as a
+    masked fill costs far more."""
+    own = torch.arange(n_columns, device=device) // rows_per_chunk
+    chunk = n_rows - 1 - torch.arange(n_rows, device=device)[:, None]
+    return torch.zeros(n_rows, n_columns, device=device).masked_fill_(chunk >= own, float("-inf"))
 
 
 # Up to this many scores, ``max`` with its indices (one call per slot) costs less than the amax

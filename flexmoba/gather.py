@@ -6,12 +6,16 @@ gives the exact output. Two kinds of part:
 
 - **own chunk**, causal inside: block-diagonal causal attention. Without documents the
   chunks sit on a fixed grid, so ``[B, H, S, D]`` is viewed as ``[B * H * n_chunks, c, D]``
-  and one fused causal call covers every chunk, without copying anything. With
-  documents each chunk is one causal call on views of q, k and v.
+  and one fused causal call covers every chunk, without copying anything; chunks of 256
+  keys or more run as two causal halves plus the second half's queries over the first half
+  (the CPU kernel would compute the whole square of a chunk). With documents each chunk is
+  one causal call on views of q, k and v.
 - **past chunks**, whole and wholly in the past: (query, chunk) pairs are sorted by the
-  keys they read, as the official efficient kernel does, so each chunk is one dense call of
-  the queries that selected it against a view of its keys. Query heads that share a KV
-  head (GQA) share the call.
+  keys they read, as the official efficient kernel does. Query heads that share a KV head
+  (GQA) share a chunk's pairs. At training sizes the pairs run in blocks of 512, 256, 128
+  and 64 rows, each block one chunk's queries with a copy of that chunk's keys, one batched
+  call per block size; on long sequences each chunk is one call of the queries that
+  selected it against a view of its keys, merged into the output before the next.
 
 On CPU every call is torch's fused flash-attention kernel, which also returns the
 log-sum-exp; elsewhere the same math runs unfused. The backward pass is FlashAttention's:
