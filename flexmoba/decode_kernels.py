@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from flexmoba.gate import fp32_matmul
 from flexmoba.kv_cache import ChunkKeySums
 
 __all__ = ["DecodeStep", "dense_causal_attention", "gather_decode", "gathered_attention", "masked_attention",
@@ -204,8 +205,9 @@ def _blocks_selected(step: DecodeStep) -> torch.Tensor:
 
 def _one_query_blocks(step: DecodeStep) -> torch.Tensor:
     """:func:`_blocks_selected` for one new query per head of a cache without padding (the usual
-    decode step): the own chunk and the query's place in it are host ints, so the own slot is
-    cut by a slice, and the index arithmetic runs on ``[B, H, P + 1]`` tensors."""
+    decode step). The own chunk and the query's place in it are host ints: the own chunk's
+    logits come from its ``offset + 1`` keys by one product (not a whole chunk of transposed
+    keys), the past chunks' by ``embedding_bag``, and the index arithmetic runs on ``[B, H, P]``."""
     q, sums = step.q, step.sums
     B, H, _, D = q.shape
     c, T = sums.chunk_size, step.keys.shape[2]
@@ -213,24 +215,29 @@ def _one_query_blocks(step: DecodeStep) -> torch.Tensor:
     P = step.past.shape[-1]
     blocks = sums.key_blocks(step.keys)  # [B, H_kv, N, D, c]
     H_kv, N = blocks.shape[1], blocks.shape[2]
-    valid = step.valid[:, :, 0]  # [B, H, P]
-    # Unused slots read the own chunk (masked below): an index in range, and for the values rows
-    # the query attends (weight 0), so a non-finite value there cannot reach the output through 0 * inf.
-    chunks = F.pad(torch.where(valid, step.past[:, :, 0], own), (0, 1), value=own)  # [B, H, P + 1], own last
-    batch, kv_head = _kv_head(B, H, H_kv, q.device)
-    kv_row = (batch * H_kv + kv_head)[..., 0]  # [B, H, 1]
-    index = ((kv_row * N + chunks) * D)[..., None] + _arange(D, q.device)  # [B, H, P + 1, D]
-    weights = (q.float() * step.scale).expand(B, H, P + 1, D)
-    logits = F.embedding_bag(index.view(-1, D), blocks.view(-1, c), per_sample_weights=weights.reshape(-1, D),
-                             mode="sum").view(B, H, P + 1, c)
-    logits[:, :, -1, offset + 1:] = float("-inf")  # the own chunk after the query
-    logits[:, :, :P].masked_fill_(~valid[..., None], float("-inf"))
-    probs = logits.view(B, H, (P + 1) * c).softmax(dim=-1)
-
+    valid = step.valid[:, :, 0].contiguous()  # [B, H, P]
+    own_keys = step.keys[:, :, own * c:]  # [B, H_kv, offset + 1, D]
+    logits = [fp32_matmul(q.float().view(B, H_kv, H // H_kv, D) * step.scale, own_keys.transpose(-1, -2))
+              .view(B, H, offset + 1)]
     table, steps = _rows(step.values)
-    first = (batch * steps[0] + kv_head * steps[1])[..., 0] + chunks * (c * steps[2])
-    index = first[..., None] + _arange(c, q.device) * steps[2]  # [B, H, P + 1, c]
-    index[:, :, -1, offset + 1:] = index[:, :, -1, offset:offset + 1]  # after the query: its own row
+    batch, kv_head = _kv_head(B, H, H_kv, q.device)
+    row0 = (batch * steps[0] + kv_head * steps[1])[..., 0]  # [B, H, 1]: position 0 of each head's values
+    rows = [row0 + (own * c + _arange(offset + 1, q.device)) * steps[2]]
+    if P:
+        chunks = torch.where(valid, step.past[:, :, 0].contiguous(), own)  # unused slots: in range, masked below
+        kv_row = (batch * H_kv + kv_head)[..., 0]
+        index = ((kv_row * N + chunks) * D)[..., None] + _arange(D, q.device)  # [B, H, P, D]
+        weights = (q.float() * step.scale).expand(B, H, P, D)
+        past = F.embedding_bag(index.view(-1, D), blocks.view(-1, c), per_sample_weights=weights.reshape(-1, D),
+                               mode="sum").view(B, H, P, c)
+        logits.insert(0, past.masked_fill_(~valid[..., None], float("-inf")).view(B, H, P * c))
+        # Unused slots read the query's own value row (weight 0): a row it attends anyway, so a
+        # non-finite value elsewhere cannot reach the output through 0 * inf.
+        first = torch.where(valid, row0 + chunks * (c * steps[2]), row0 + (T - 1) * steps[2])
+        step_in_chunk = _arange(c, q.device) * steps[2] * valid[..., None]
+        rows.insert(0, (first[..., None] + step_in_chunk).view(B, H, P * c))
+    probs = torch.cat(logits, -1).softmax(dim=-1)
+    index = torch.cat(rows, -1)
     out = F.embedding_bag(index.view(B * H, -1), table, per_sample_weights=probs.view(B * H, -1), mode="sum")
     return out.view(B, H, 1, -1).to(q.dtype)
 

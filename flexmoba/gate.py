@@ -129,7 +129,7 @@ def scores_against_means(rows: torch.Tensor, means: torch.Tensor) -> torch.Tenso
     """
     B, H, R, D = rows.shape
     H_kv, N = means.shape[1], means.shape[2]
-    scores = _no_autocast_matmul(rows.reshape(B, H_kv, (H // H_kv) * R, D), means.transpose(-1, -2))  # per KV head
+    scores = fp32_matmul(rows.reshape(B, H_kv, (H // H_kv) * R, D), means.transpose(-1, -2))  # per KV head
     return scores.view(B, H, R, N)
 
 
@@ -216,7 +216,7 @@ def select_past_chunks_on_grid(
     for first, end in query_chunk_groups(N, B * H * R * (N - 1) // 2) if P else []:
         n_past = end - 1  # the group's past: chunks 0 .. end-2, as score rows end-2 .. 0
         columns = slice(first * rows_per_chunk, min(end * rows_per_chunk, R))
-        scores = _no_autocast_matmul(latest_first[:, :, :, N - n_past:], by_column[..., columns])  # [.., n_past, r]
+        scores = fp32_matmul(latest_first[:, :, :, N - n_past:], by_column[..., columns])  # [.., n_past, r]
         if end - first > 1:  # the top rows, chunks first .. end-2, are not in the past of every column
             key = (end - first, columns.stop - columns.start)
             if key not in biases:
@@ -285,7 +285,7 @@ def select_before_chunk(
     P, taken = min(top_k - 1, N - 1), min(top_k - 1, own)
     if taken:
         by_column = rows.reshape(B, H_kv, (H // H_kv) * R, D).transpose(-1, -2)
-        scores = _no_autocast_matmul(means[:, :, :own], by_column).flip(2)  # [B, H_kv, own, g * R], latest first
+        scores = fp32_matmul(means[:, :, :own], by_column).flip(2)  # [B, H_kv, own, g * R], latest first
         scores.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
         indices, valid = _latest_first_maxima(scores, taken)
     else:
@@ -297,8 +297,8 @@ def select_before_chunk(
     return per_head(indices.long()), per_head(valid.bool())
 
 
-def _no_autocast_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` in fp32 under autocast too (which would run it in bf16)."""
+def fp32_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of fp32 tensors in fp32 under autocast too (which would run it in bf16)."""
     device = a.device.type
     if not torch.amp.is_autocast_available(device):
         return a @ b

@@ -2,7 +2,7 @@
 
 import torch
 
-from flexmoba import moba_attention, moba_selection
+from flexmoba import MoBAKVCache, moba_attention, moba_decode_attention, moba_selection
 
 
 def test_nan_key_chunk_is_never_selected_as_a_past_chunk():
@@ -38,3 +38,19 @@ def test_nan_query_selects_only_its_own_chunk():
     q[0, 0, 50] = float("nan")
     chunks = moba_selection(q, k, chunk_size=8, top_k=3)
     assert chunks[0, 0, 50].nonzero().flatten().tolist() == [6]
+
+
+def test_decode_does_not_read_the_values_of_a_nan_chunk_it_did_not_select():
+    """A NaN key poisons its chunk's mean, so the chunk loses its gate slot; the unused slot must
+    not read that chunk's values either (0 * NaN would reach the output)."""
+    torch.manual_seed(0)
+    c, D = 8, 8
+    k, v = torch.randn(1, 1, 2 * c + 3, D), torch.randn(1, 1, 2 * c + 3, D)  # the own chunk holds 3 keys
+    k[:, :, 0], v[:, :, 0] = float("nan"), float("nan")
+    q = torch.randn(1, 2, 1, D)
+    cache = MoBAKVCache(c)
+    cache.update(k, v)
+    out = moba_decode_attention(q, cache, top_k=3, backend="gather")
+    keys, values = k[:, :, c:], v[:, :, c:]  # chunk 1 and the own chunk: all the query may attend
+    expected = torch.softmax(q @ keys.transpose(-1, -2) * D**-0.5, dim=-1) @ values
+    torch.testing.assert_close(out, expected)
