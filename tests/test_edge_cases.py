@@ -21,12 +21,13 @@ from torch.nn.attention.flex_attention import flex_attention
 from flexmoba import (
     compiled_flex_attention,
     dense_moba_mask,
+    gate,
     moba_flex_plan,
     select_chunks,
 )
 from flexmoba.decode import moba_decode_attention
 from flexmoba.gate import select_against_means, tie_broken_keys
-from flexmoba.gather import QUERY_BLOCK
+from flexmoba.gather import BLOCK_UNITS, QUERY_BLOCK
 from flexmoba.kv_cache import ChunkKeySums, MoBAKVCache
 
 import oracle
@@ -118,6 +119,20 @@ def test_tied_gate_scores_every_backend_equals_oracle(backend, problem):
     torch.testing.assert_close(got.double(), oracle_out(problem), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("few_scores", [0, 2**62], ids=["amax_passes", "max_indices"])
+@given(tied_problems())
+def test_tied_gate_scores_equal_oracle_on_both_maxima_paths(few_scores, problem):
+    """The gate takes a slot's maximum by ``max`` with indices on few scores, by ``amax`` over ranked
+    rows on many; small problems only reach the first, so each is forced here."""
+    original = gate.FEW_SCORES
+    gate.FEW_SCORES = few_scores
+    try:
+        got = dense_moba_mask(select_chunks(problem.q, problem.k, **problem.kwargs))
+    finally:
+        gate.FEW_SCORES = original
+    assert torch.equal(got, oracle.dense_mask(problem.q, problem.k, **problem.kwargs)), problem
+
+
 @given(tied_problems())
 def test_tied_gate_scores_flex_plan_equals_oracle(problem):
     torch.testing.assert_close(eager_flex_plan_out(problem).double(), oracle_out(problem), atol=1e-5, rtol=1e-5)
@@ -207,7 +222,7 @@ def test_many_queries_selecting_the_same_chunk_have_reference_gradients(fused, m
     kw = dict(chunk_size=8, top_k=2)
     chunks = select_chunks(q, k, **kw).chunks
     assert chunks[:, :, 8:, 0].all(), "chunk 0 is everyone's pick"
-    assert q.shape[2] - 8 > 4 * QUERY_BLOCK, "more pairs on chunk 0 than one query block of gather's backward"
+    assert (q.shape[2] - 8) * q.shape[1] > BLOCK_UNITS[0] * QUERY_BLOCK, "chunk 0's pairs fill several block sizes"
     grad_out = seeded_randn(q)
 
     def grads(backend):
