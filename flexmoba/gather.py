@@ -433,8 +433,8 @@ def _split_own(chunk: int) -> bool:
 
 
 def _halves(x: torch.Tensor) -> torch.Tensor:
-    """``[M, 1, c, *]`` -> ``[2M, 1, c/2, *]``, each chunk's two halves as two items (a view)."""
-    return x.view(2 * x.shape[0], 1, x.shape[2] // 2, *x.shape[3:])
+    """``[M, 1, c, *]`` -> ``[2M, 1, c/2, *]``, each chunk's two halves as two items."""
+    return x.reshape(2 * x.shape[0], 1, x.shape[2] // 2, *x.shape[3:])
 
 
 def _grid_own_forward(q, k, v, chunk: int, scale: float):
@@ -447,7 +447,8 @@ def _grid_own_forward(q, k, v, chunk: int, scale: float):
         return _unchunk(out, B, H, S), _unchunk(lse, B, H, S)
     half = chunk // 2
     out, lse = dense_attention(_halves(q_c), _halves(k_c), _halves(v_c), True, scale)
-    out, lse = out.view(q_c.shape[0], 1, chunk, -1), lse.view(q_c.shape[0], 1, chunk)
+    out = out.float().view(q_c.shape[0], 1, chunk, -1)  # merged in place below, in fp32 like every part
+    lse = lse.view(q_c.shape[0], 1, chunk)
     cross_out, cross_lse = dense_attention(q_c[:, :, half:], k_c[:, :, :half], v_c[:, :, :half], False, scale)
     second = slice(half, chunk)
     merged = torch.logaddexp(lse[..., second], cross_lse)
@@ -475,7 +476,7 @@ def _grid_own_backward(grad_out, q, k, v, out, lse, scale: float):
 
 
 def _own_forward(q, k, v, own: list[Segment] | None, chunk: int, scale: float):
-    """Own-chunk attention: (out ``[B, H, S, Dv]``, lse ``[B, H, S]`` fp32)."""
+    """Own-chunk attention: (out ``[B, H, S, Dv]`` in q's dtype or fp32, lse ``[B, H, S]`` fp32)."""
     B, H, S, D = q.shape
     H_kv, Dv = k.shape[1], v.shape[-1]
     if own is None:
