@@ -28,7 +28,7 @@ import torch
 
 from flexmoba import gate, validation
 from flexmoba.backends import get_decode_backend, resolve_decode_backend
-from flexmoba.decode_kernels import DecodeStep, dense_causal_attention
+from flexmoba.decode_kernels import DecodeStep, dense_causal_attention, query_places
 from flexmoba.kv_cache import ChunkKeySums, MoBAKVCache
 
 __all__ = ["attend_cached_keys", "decode_spec", "dense_decode_attention", "gate_step", "moba_decode_attention"]
@@ -117,24 +117,21 @@ def attend_cached_keys(
     if name is None:
         return dense_causal_attention(q, keys, values, start, scale)
     decode = get_decode_backend(name)
-    sums.update(keys[:, :, sums.length:])
+    if sums.length < T:
+        sums.update(keys[:, :, sums.length:])
     return decode(gate_step(q, keys, values, sums, spec.top_k, scale))
 
 
 def gate_step(q, keys, values, sums: ChunkKeySums, top_k: int, scale: float) -> DecodeStep:
     """Run MoBA's gate for the new queries against the chunk means (``sums`` holds all ``T`` keys)."""
     S_new, T = q.shape[2], keys.shape[2]
-    q_pos = T - S_new + torch.arange(S_new, device=q.device)
-    q_local = q_pos[None, :] - sums.start[:, None]
-    own = q_local.clamp(min=0) // sums.chunk_size
     own_chunk = (T - 1) // sums.chunk_size
     if not sums.padded and (T - S_new) // sums.chunk_size == own_chunk:  # every query in one chunk
         with torch.no_grad():
             past, valid = gate.select_before_chunk(q.detach().float(), sums.means(), own_chunk, top_k)
     else:
-        past, valid = gate.select_against_means(q, sums.means(), own, top_k)
-    return DecodeStep(q=q, keys=keys, values=values, sums=sums, scale=scale,
-                      q_pos=q_pos, q_local=q_local, own=own, past=past, valid=valid)
+        past, valid = gate.select_against_means(q, sums.means(), query_places(S_new, T, sums)[2], top_k)
+    return DecodeStep(q=q, keys=keys, values=values, sums=sums, scale=scale, past=past, valid=valid)
 
 
 def dense_decode_attention(q_new: torch.Tensor, cache: MoBAKVCache, *, scale: float | None = None) -> torch.Tensor:

@@ -33,7 +33,7 @@ from flexmoba.gate import fp32_matmul
 from flexmoba.kv_cache import ChunkKeySums
 
 __all__ = ["DecodeStep", "dense_causal_attention", "gather_decode", "gathered_attention", "masked_attention",
-           "sdpa_decode"]
+           "query_places", "sdpa_decode"]
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -146,11 +146,12 @@ class DecodeStep:
         sums: the chunk state of those keys (:class:`flexmoba.kv_cache.ChunkKeySums`:
             ``chunk_size``, ``start: [B]``, ``padded``, transposed key blocks on demand).
         scale: softmax scale.
-        q_pos: ``[S_new]`` absolute position of each query, ``T - S_new + i``.
-        q_local: ``[B, S_new]`` position of each query from its row's ``start`` (< 0: padding).
-        own: ``[B, S_new]`` each query's own chunk (0 for padding queries).
         past, valid: ``[B, H, S_new, P]`` the selected past chunks, ``P = min(top_k - 1, N - 1)``
             for ``N`` chunks, and which slots are used (an unused slot's index is arbitrary).
+
+    The queries' places, computed on first use (decoding's one-query kernel needs none):
+    ``q_pos: [S_new]`` absolute position ``T - S_new + i``, ``q_local: [B, S_new]`` position
+    from the row's ``start`` (< 0: padding), ``own: [B, S_new]`` own chunk (0 for padding).
     """
 
     q: torch.Tensor
@@ -158,11 +159,31 @@ class DecodeStep:
     values: torch.Tensor
     sums: ChunkKeySums
     scale: float
-    q_pos: torch.Tensor
-    q_local: torch.Tensor
-    own: torch.Tensor
     past: torch.Tensor
     valid: torch.Tensor
+
+    @functools.cached_property
+    def _places(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return query_places(self.q.shape[2], self.keys.shape[2], self.sums)
+
+    @property
+    def q_pos(self) -> torch.Tensor:
+        return self._places[0]
+
+    @property
+    def q_local(self) -> torch.Tensor:
+        return self._places[1]
+
+    @property
+    def own(self) -> torch.Tensor:
+        return self._places[2]
+
+
+def query_places(S_new: int, T: int, sums: ChunkKeySums) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q_pos [S_new], q_local [B, S_new], own [B, S_new])`` of the last ``S_new`` of ``T`` positions."""
+    q_pos = T - S_new + torch.arange(S_new, device=sums.start.device)
+    q_local = q_pos[None, :] - sums.start[:, None]
+    return q_pos, q_local, q_local.clamp(min=0) // sums.chunk_size
 
 
 def _slots(step: DecodeStep) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,37 +228,37 @@ def _one_query_blocks(step: DecodeStep) -> torch.Tensor:
     """:func:`_blocks_selected` for one new query per head of a cache without padding (the usual
     decode step). The own chunk and the query's place in it are host ints: the own chunk's
     logits come from its ``offset + 1`` keys by one product (not a whole chunk of transposed
-    keys), the past chunks' by ``embedding_bag``, and the index arithmetic runs on ``[B, H, P]``."""
+    keys), the past chunks' by ``embedding_bag``, and the index arithmetic runs on ``[B, H, P]``.
+    Logits and value-row indices are written into one row per head (past chunks, then own keys)."""
     q, sums = step.q, step.sums
     B, H, _, D = q.shape
     c, T = sums.chunk_size, step.keys.shape[2]
     own, offset = divmod(T - 1, c)
     P = step.past.shape[-1]
     blocks = sums.key_blocks(step.keys)  # [B, H_kv, N, D, c]
-    H_kv, N = blocks.shape[1], blocks.shape[2]
-    valid = step.valid[:, :, 0].contiguous()  # [B, H, P]
-    own_keys = step.keys[:, :, own * c:]  # [B, H_kv, offset + 1, D]
-    logits = [fp32_matmul(q.float().view(B, H_kv, H // H_kv, D) * step.scale, own_keys.transpose(-1, -2))
-              .view(B, H, offset + 1)]
+    H_kv = blocks.shape[1]
+    scaled = q.float().view(B, H, D) * step.scale
     table, steps = _rows(step.values)
     batch, kv_head = _kv_head(B, H, H_kv, q.device)
     row0 = (batch * steps[0] + kv_head * steps[1])[..., 0]  # [B, H, 1]: position 0 of each head's values
-    rows = [row0 + (own * c + _arange(offset + 1, q.device)) * steps[2]]
+    logits = scaled.new_empty(B, H, P * c + offset + 1)
+    index = torch.empty(B, H, P * c + offset + 1, dtype=torch.long, device=q.device)
+    own_keys = step.keys[:, :, own * c:].transpose(-1, -2)  # [B, H_kv, D, offset + 1]
+    logits[..., P * c:] = fp32_matmul(scaled.view(B, H_kv, H // H_kv, D), own_keys).view(B, H, offset + 1)
+    torch.add(row0, torch.arange(own * c, T, device=q.device) * steps[2], out=index[..., P * c:])
     if P:
-        chunks = torch.where(valid, step.past[:, :, 0].contiguous(), own)  # unused slots: in range, masked below
-        kv_row = (batch * H_kv + kv_head)[..., 0]
-        index = ((kv_row * N + chunks) * D)[..., None] + _arange(D, q.device)  # [B, H, P, D]
-        weights = (q.float() * step.scale).expand(B, H, P, D)
-        past = F.embedding_bag(index.view(-1, D), blocks.view(-1, c), per_sample_weights=weights.reshape(-1, D),
-                               mode="sum").view(B, H, P, c)
-        logits.insert(0, past.masked_fill_(~valid[..., None], float("-inf")).view(B, H, P * c))
-        # Unused slots read the query's own value row (weight 0): a row it attends anyway, so a
-        # non-finite value elsewhere cannot reach the output through 0 * inf.
-        first = torch.where(valid, row0 + chunks * (c * steps[2]), row0 + (T - 1) * steps[2])
-        step_in_chunk = _arange(c, q.device) * steps[2] * valid[..., None]
-        rows.insert(0, (first[..., None] + step_in_chunk).view(B, H, P * c))
-    probs = torch.cat(logits, -1).softmax(dim=-1)
-    index = torch.cat(rows, -1)
+        valid = step.valid.reshape(B, H, P)
+        chunks = torch.where(valid, step.past.reshape(B, H, P), own)  # unused slots: the own chunk, weight 0
+        first_block_row = ((batch * H_kv + kv_head)[..., 0] * blocks.shape[2] + chunks) * D  # [B, H, P]
+        weights = scaled[:, :, None].expand(B, H, P, D)
+        past = F.embedding_bag((first_block_row[..., None] + _arange(D, q.device)).reshape(-1, D), blocks.view(-1, c),
+                               per_sample_weights=weights.reshape(-1, D), mode="sum").view(B, H, P, c)
+        logits[..., : P * c] = past.masked_fill_(~valid[..., None], float("-inf")).view(B, H, P * c)
+        # Positions past the query (an unused slot's own chunk) read the query's own value row, a row
+        # it attends anyway: a non-finite value elsewhere cannot reach the output through 0 * inf.
+        position = (chunks * c)[..., None] + _arange(c, q.device)
+        index[..., : P * c] = (row0[..., None] + position.clamp_(max=T - 1) * steps[2]).reshape(B, H, P * c)
+    probs = logits.softmax(dim=-1)
     out = F.embedding_bag(index.view(B * H, -1), table, per_sample_weights=probs.view(B * H, -1), mode="sum")
     return out.view(B, H, 1, -1).to(q.dtype)
 

@@ -254,20 +254,20 @@ def _latest_first_maxima(scores: torch.Tensor, count: int) -> tuple[torch.Tensor
     """
     n_past = scores.shape[-2]
     few = scores.numel() <= FEW_SCORES
-    rank_dtype = torch.int16 if n_past < 2**15 else torch.int32
+    rank_dtype = torch.int8 if n_past < 2**7 else torch.int16 if n_past < 2**15 else torch.int32
     rank = None if few else torch.arange(n_past, 0, -1, dtype=rank_dtype, device=scores.device)[:, None]
-    indices, valid = [], []
+    rows, maxima = [], []
     for slot in range(count):
         if few:
             best, row = scores.max(-2, keepdim=True)
         else:
             best = scores.amax(-2, keepdim=True)
-            row = n_past - (scores == best).to(rank_dtype).mul_(rank).amax(-2, keepdim=True).long()
-        indices.append(n_past - 1 - row)
-        valid.append(best > float("-inf"))
+            row = n_past - torch.mul(scores == best, rank).amax(-2, keepdim=True).long()
+        rows.append(row)
+        maxima.append(best)
         if slot + 1 < count:
             scores.scatter_(-2, row, float("-inf"))
-    return torch.cat(indices, -2), torch.cat(valid, -2)
+    return n_past - 1 - torch.cat(rows, -2), torch.cat(maxima, -2) > float("-inf")
 
 
 def select_before_chunk(
@@ -300,7 +300,7 @@ def select_before_chunk(
 def fp32_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` of fp32 tensors in fp32 under autocast too (which would run it in bf16)."""
     device = a.device.type
-    if not torch.amp.is_autocast_available(device):
+    if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):
         return a @ b
     with torch.autocast(device, enabled=False):
         return a @ b
