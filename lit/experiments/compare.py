@@ -9,7 +9,8 @@ It takes every option of ``flexmoba fit`` with the same spelling (``--config`` f
 three of its own: ``--seeds`` (runs per attention kind, seeded ``seed_everything + i``; the
 data order stays the first seed's), ``--out`` (the study's folder) and ``--final_val_batches``.
 Both kinds share the data, seeds, model size and schedule; only ``model.config.attention``
-differs. Every run goes through the one launcher (:mod:`lit.training.launch`), so a run that
+differs. Runs go seed by seed, MoBA then full attention, so the two runs of a seed are
+adjacent in time. Every run goes through the one launcher (:mod:`lit.training.launch`), so a run that
 diverges stops the study with one line, and checkpoints are atomic.
 
 ``<out>/`` holds ``compare.json`` (the study's settings), one run per kind and seed in
@@ -114,6 +115,12 @@ def run_folder(study: dict, attention: str, seed: int) -> Path:
 
 def seeds_of(study: dict) -> list[int]:
     return [study["seed_everything"] + i for i in range(study["seeds"])]
+
+
+def run_order(study: dict) -> list[tuple[str, int]]:
+    """``(attention, seed)`` in training order: each seed's kinds back to back, so a machine whose
+    speed drifts during the study moves both sides of each pair alike."""
+    return [(attention, seed) for seed in seeds_of(study) for attention in VARIANTS]
 
 
 def claim_folder(study: dict) -> None:
@@ -293,7 +300,7 @@ def run(study: dict) -> Path:
     claim_folder(study)
     out = Path(study["out"])
     print(f"[compare] results go to {out}", flush=True)
-    results = [train_one(study, attention, seed) for attention in VARIANTS for seed in seeds_of(study)]
+    results = [train_one(study, attention, seed) for attention, seed in run_order(study)]
     (out / "results.json").write_text(json.dumps({"study": study, "results": results}, indent=2))
     report = markdown_report(study, results)
     (out / "results.md").write_text(report)

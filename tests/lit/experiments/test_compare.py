@@ -50,8 +50,9 @@ def test_compare_with_two_seeds_writes_mean_and_std_plots_and_checkpoints(tmp_pa
     for png in ("val_loss.png", "loss_by_position.png"):
         assert (out / png).stat().st_size > 1000
     results = json.loads((out / "results.json").read_text())["results"]
-    assert [(r["attention"], r["seed"]) for r in results] == [("moba", 1337), ("moba", 1338),
-                                                              ("full", 1337), ("full", 1338)]
+    # each seed's two kinds back to back: the machine's drift moves both sides of a pair alike
+    assert [(r["attention"], r["seed"]) for r in results] == [("moba", 1337), ("full", 1337),
+                                                              ("moba", 1338), ("full", 1338)]
     assert all(r["final"]["val/loss"] > 0 and len(r["val_history"]) == 2 for r in results)
     assert all(r["tokens_per_second"] > 0 for r in results)
     losses = [r["final"]["val/loss"] for r in results if r["attention"] == "moba"]
