@@ -117,8 +117,7 @@ def attend_cached_keys(
     if name is None:
         return dense_causal_attention(q, keys, values, start, scale)
     decode = get_decode_backend(name)
-    if sums.length < T:
-        sums.update(keys[:, :, sums.length:])
+    sums.update(keys[:, :, sums.length:])
     return decode(gate_step(q, keys, values, sums, spec.top_k, scale))
 
 

@@ -9,8 +9,8 @@ It takes every option of ``flexmoba fit`` with the same spelling (``--config`` f
 three of its own: ``--seeds`` (runs per attention kind, seeded ``seed_everything + i``; the
 data order stays the first seed's), ``--out`` (the study's folder) and ``--final_val_batches``.
 Both kinds share the data, seeds, model size and schedule; only ``model.config.attention``
-differs. Runs go seed by seed, MoBA then full attention, so the two runs of a seed are
-adjacent in time. Every run goes through the one launcher (:mod:`lit.training.launch`), so a run that
+differs. Runs go seed by seed, MoBA then full attention, so the two runs of a seed are adjacent
+in time. Every run goes through the one launcher (:mod:`lit.training.launch`), so a run that
 diverges stops the study with one line, and checkpoints are atomic.
 
 ``<out>/`` holds ``compare.json`` (the study's settings), one run per kind and seed in
