@@ -12,8 +12,8 @@ gives the exact output. Two kinds of part:
   one causal call on views of q, k and v.
 - **past chunks**, whole and wholly in the past: (query, chunk) pairs are sorted by the
   keys they read, as the official efficient kernel does. Query heads that share a KV head
-  (GQA) share a chunk's pairs. At training sizes the pairs run in blocks of 512, 256, 128
-  and 64 rows, each block one chunk's queries with a copy of that chunk's keys, one batched
+  (GQA) share a chunk's pairs. At training sizes the pairs run in blocks of 768, 512, 256,
+  128 and 64 rows, each block one chunk's queries with a copy of that chunk's keys, one batched
   call per block size; on long sequences each chunk is one call of the queries that
   selected it against a view of its keys, merged into the output before the next.
 
@@ -227,36 +227,34 @@ BATCHED_PAIRS_MAX_BYTES = 64 * 2**20
 
 
 # A segment's pairs fill blocks of this many units (each unit ``query_block`` rows), largest first:
-# as many of the largest as fit, then at most one of each smaller size, the last padded. The CPU
-# kernel runs large query blocks faster (backward: 512 rows a quarter faster than 128), and the
-# small ones keep the padding under one unit per segment.
-BLOCK_UNITS = (8, 4, 2, 1)
+# as many of the largest as fit, then at most one of each smaller size (the rest, under 12 units, in
+# binary), the last padded. The CPU kernel runs large query blocks faster: from 768 rows it splits them
+# into 256-row tiles (measured against 512-row blocks: forward a fifth and backward a quarter faster),
+# and the small ones keep the padding under one unit per segment.
+BLOCK_UNITS = (12, 8, 4, 2, 1)
 
 
 @dataclass(frozen=True)
 class PairBlocks:
     """The past pairs in blocks of rows, each block one chunk's queries (:data:`BLOCK_UNITS`).
-    Padding rows repeat their segment's last pair; their results are dropped.
+    Padding rows repeat their segment's last pair; their results count for nothing (a log-sum-exp of
+    -inf in the merge, a zero output gradient in the backward).
 
     Attributes:
         sizes: ``(rows per block, blocks)`` of each block size, in row order.
         query_of_row: ``[rows]`` the query of each block row, in ``[B * H * S]``, block after block.
         key_of_row: ``[blocks * c]`` each block's keys, flat in ``[B * H_kv * T]``, block after block.
-        pair_row: ``[n]`` the block row of each pair, in pair order.
         padding: the padding rows.
-        query: ``[n]`` each pair's query.
     """
 
     sizes: tuple[tuple[int, int], ...]
     query_of_row: torch.Tensor
     key_of_row: torch.Tensor
-    pair_row: torch.Tensor
     padding: torch.Tensor
-    query: torch.Tensor
 
     def rows(self, x: torch.Tensor, zero_padding: bool = False) -> list[torch.Tensor]:
         """``x: [B * H * S, *]`` per query -> per block size ``[blocks, 1, R, *]`` per block row;
-        ``zero_padding``: an output gradient whose padding rows move no key's gradient."""
+        ``zero_padding``: an output gradient whose padding rows move no gradient."""
         rows = x.index_select(0, self.query_of_row)
         if zero_padding:
             rows.index_fill_(0, self.padding, 0)
@@ -264,21 +262,31 @@ class PairBlocks:
 
     def keys(self, x: torch.Tensor) -> list[torch.Tensor]:
         """``x: [B * H_kv * T, D]`` per key -> per block size each block's copy of its chunk, ``[blocks, 1, c, D]``."""
-        chunk = len(self.key_of_row) // sum(n for _, n in self.sizes)
-        return self._split(x.index_select(0, self.key_of_row), [chunk] * len(self.sizes))
+        return self._split(x.index_select(0, self.key_of_row), [self.chunk] * len(self.sizes))
+
+    @property
+    def chunk(self) -> int:
+        return len(self.key_of_row) // sum(n for _, n in self.sizes)
 
     def _split(self, x: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
         parts = x.split([L * n for L, (_, n) in zip(lengths, self.sizes, strict=True)])
         return [p.view(n, 1, L, *x.shape[1:]) for p, L, (_, n) in zip(parts, lengths, self.sizes, strict=True)]
 
-    def per_pair(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        """Per block size ``[blocks, 1, R, *]`` per block row -> ``[n, *]`` per pair."""
-        rows = torch.cat([p.reshape(-1, *p.shape[3:]) for p in parts])
-        return rows.index_select(0, self.pair_row)
+    def row_lse(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Per block size ``[blocks, 1, R]`` log-sum-exp -> ``[rows]``, -inf on the padding rows."""
+        return torch.cat([p.reshape(-1) for p in parts]).index_fill_(0, self.padding, float("-inf"))
 
-    def key_sums(self, parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-        """Per block size ``[blocks, 1, c, D]`` per block key -> summed per key into ``like: [B * H_kv * T, D]``."""
-        return like.index_add_(0, self.key_of_row, torch.cat([p.reshape(-1, p.shape[-1]) for p in parts]))
+    def add_per_query(self, parts: list[torch.Tensor], out: torch.Tensor) -> None:
+        """Add per block size ``[blocks, 1, R, D]`` per block row into ``out: [B * H * S, D]`` per query."""
+        queries = self.query_of_row.split([R * n for R, n in self.sizes])
+        for part, query in zip(parts, queries, strict=True):
+            out.index_add_(0, query, part.reshape(-1, out.shape[-1]))
+
+    def add_per_key(self, parts: list[torch.Tensor], out: torch.Tensor) -> None:
+        """Add per block size ``[blocks, 1, c, D]`` per block key into ``out: [B * H_kv * T, D]`` per key."""
+        keys = self.key_of_row.split([self.chunk * n for _, n in self.sizes])
+        for part, key in zip(parts, keys, strict=True):
+            out.index_add_(0, key, part.reshape(-1, out.shape[-1]))
 
 
 def pair_blocks(pairs: PastPairs, key_len: int, chunk: int, unit: int, width: int) -> PairBlocks | None:
@@ -300,8 +308,7 @@ def pair_blocks(pairs: PastPairs, key_len: int, chunk: int, unit: int, width: in
     if sum(n_blocks) * chunk * width * 4 > BATCHED_PAIRS_MAX_BYTES:
         return None
     segment_ids = torch.arange(len(segments), device=device)
-    queries, keys, paddings, firsts = [], [], [], 0
-    pair_row = torch.empty(len(pairs.query) + 1, dtype=torch.long, device=device)  # the last slot takes padding
+    queries, keys, paddings = [], [], []
     for u, blocks, start, n in zip(BLOCK_UNITS, per_size, first_unit, n_blocks, strict=True):
         R = u * unit
         segment = torch.repeat_interleave(segment_ids, blocks, output_size=n)
@@ -311,14 +318,10 @@ def pair_blocks(pairs: PastPairs, key_len: int, chunk: int, unit: int, width: in
         pair = offset[segment, None] + torch.minimum(local, last)
         queries.append(pairs.query[pair].flatten())
         keys.append((first_key[segment, None] + torch.arange(chunk, device=device)).flatten())
-        row = firsts + torch.arange(n * R, device=device)
-        is_padding = (local > last).flatten()
-        pair_row.scatter_(0, torch.where(is_padding, len(pairs.query), pair.flatten()), row)
-        paddings.append(is_padding)
-        firsts += n * R
+        paddings.append((local > last).flatten())
     padding = torch.cat(paddings).nonzero().squeeze(1)
     sizes = tuple((u * unit, n) for u, n in zip(BLOCK_UNITS, n_blocks, strict=True) if n)
-    return PairBlocks(sizes, torch.cat(queries), torch.cat(keys), pair_row[:-1], padding, pairs.query)
+    return PairBlocks(sizes, torch.cat(queries), torch.cat(keys), padding)
 
 
 class _GatheredMoBA(torch.autograd.Function):
@@ -375,8 +378,8 @@ def _merge_blocks(out, lse, q, k, v, blocks: PairBlocks, scale: float):
     D, Dv = q.shape[-1], v.shape[-1]
     parts = [dense_attention(*qkv, False, scale) for qkv in zip(
         blocks.rows(q.reshape(-1, D)), blocks.keys(k.reshape(-1, D)), blocks.keys(v.reshape(-1, Dv)), strict=True)]
-    return merge_pairs(out, lse, blocks.query, blocks.per_pair([o for o, _ in parts]),
-                       blocks.per_pair([part_lse[..., None] for _, part_lse in parts])[:, 0])
+    return merge_pairs(out, lse, blocks.query_of_row, blocks.row_lse([part_lse for _, part_lse in parts]),
+                       [part_out.reshape(-1, Dv) for part_out, _ in parts])
 
 
 def _backward_segments(grad_out, q, k, v, out, lse, dq, dk, dv, scale: float, pairs: PastPairs, block: int) -> None:
@@ -405,9 +408,9 @@ def _backward_blocks(grad_out, q, k, v, out, lse, dq, dk, dv, scale: float, bloc
               blocks.rows(lse[:, None]))
     grads = [dense_attention_backward(g, q_b, k_b, v_b, o, lse_b[..., 0], False, scale)
              for g, q_b, k_b, v_b, o, lse_b in zip(*inputs, strict=True)]
-    dq.view(-1, D).index_add_(0, blocks.query, blocks.per_pair([dq_b for dq_b, _, _ in grads]))
-    blocks.key_sums([dk_b for _, dk_b, _ in grads], dk.view(-1, D))
-    blocks.key_sums([dv_b for _, _, dv_b in grads], dv.view(-1, Dv))
+    blocks.add_per_query([dq_b for dq_b, _, _ in grads], dq.view(-1, D))
+    blocks.add_per_key([dk_b for _, dk_b, _ in grads], dk.view(-1, D))
+    blocks.add_per_key([dv_b for _, _, dv_b in grads], dv.view(-1, Dv))
 
 
 def _rows(q, k, v):
@@ -533,10 +536,11 @@ def merge_into(out, lse, query, part_out, part_lse) -> None:
     lse.index_copy_(0, query, new)
 
 
-def merge_pairs(own_out, own_lse, query, pair_out, pair_lse):
-    """Merge each query's own part (``[N, Dv]``, ``[N]``) with its past pairs (``pair_out: [n, Dv]``,
-    ``pair_lse: [n]`` of queries ``query: [n]``) by log-sum-exp, accumulated per query. Overwrites
-    fp32 ``own_out`` and ``pair_out`` (no temporaries of their size).
+def merge_pairs(own_out, own_lse, query, pair_lse, pair_outs: list[torch.Tensor]):
+    """Merge each query's own part (``[N, Dv]``, ``[N]``) with its past pairs (``query, pair_lse: [n]``)
+    by log-sum-exp, accumulated per query; a pair of lse -inf adds nothing. The pairs' outputs come
+    in consecutive parts, ``pair_outs[i]: [n_i, Dv]``. Overwrites fp32 ``own_out`` and ``pair_outs``
+    (no temporaries of their size).
 
     Returns (out ``[N, Dv]`` fp32, lse ``[N]`` fp32).
     """
@@ -545,7 +549,10 @@ def merge_pairs(own_out, own_lse, query, pair_out, pair_lse):
     total = torch.exp(own_lse - top).index_add_(0, query, torch.exp(pair_lse - top.index_select(0, query)))
     lse = top + torch.log(total)
     out = own_out.float().mul_(torch.exp(own_lse - lse)[:, None])
-    out.index_add_(0, query, pair_out.float().mul_(torch.exp(pair_lse - lse.index_select(0, query))[:, None]))
+    weight = torch.exp(pair_lse - lse.index_select(0, query))
+    lengths = [len(part) for part in pair_outs]
+    for part, part_query, part_weight in zip(pair_outs, query.split(lengths), weight.split(lengths), strict=True):
+        out.index_add_(0, part_query, part.float().mul_(part_weight[:, None]))
     return out, lse
 
 

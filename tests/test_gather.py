@@ -41,3 +41,41 @@ def test_row_blocks_cover_every_row_once():
             rows = [r for first, batch, size in gather._row_blocks(n, block)
                     for r in range(first, first + batch * size)]
             assert rows == list(range(n))
+
+
+@given(problems(token_only=True), st.integers(1, 5))
+def test_pair_blocks_hold_every_past_pair_once_and_pad_with_their_segment(problem, query_block):
+    """Block rows minus padding are the sorted pairs, each exactly once. Blocks run size after size,
+    segment after segment; each holds its segment's queries (padding repeats one) against a copy of
+    that segment's keys. A segment takes as many of the largest size as fit, then the remainder in
+    binary, so its padding stays under one unit."""
+    B, H_kv, S = problem.k.shape[:3]
+    selection = select_chunks(problem.q, problem.k, **problem.kwargs)
+    pairs = gather.past_pairs(selection, H_kv)
+    chunk = selection.layout.chunk_size
+    blocks = gather.pair_blocks(pairs, S, chunk, query_block, 2 * problem.k.shape[-1])
+    if blocks is None:  # no past pairs, or a segment shorter than a chunk (documents)
+        assert not pairs.segments or any(seg.length != chunk for seg in pairs.segments)
+        return
+    real = torch.ones(len(blocks.query_of_row), dtype=torch.bool)
+    real[blocks.padding] = False
+    assert sorted(blocks.query_of_row[real].tolist()) == sorted(pairs.query.tolist()), "every pair once"
+    largest = gather.BLOCK_UNITS[0]
+    units = [-(-seg.count // query_block) for seg in pairs.segments]
+    per_segment = [[n // largest] + [int(bool(n % largest & u)) for u in gather.BLOCK_UNITS[1:]] for n in units]
+    row = key = 0
+    sizes = []
+    for size, unit in enumerate(gather.BLOCK_UNITS):
+        R = unit * query_block
+        n_blocks = 0
+        for seg, counts in zip(pairs.segments, per_segment, strict=True):
+            in_segment = set(pairs.query[seg.offset: seg.offset + seg.count].tolist())
+            for _ in range(counts[size]):
+                assert set(blocks.query_of_row[row: row + R].tolist()) <= in_segment, "a segment's queries only"
+                want_keys = seg.kv_row * S + seg.start + torch.arange(chunk)
+                assert torch.equal(blocks.key_of_row[key: key + chunk], want_keys), "the segment's keys"
+                row, key, n_blocks = row + R, key + chunk, n_blocks + 1
+        if n_blocks:
+            sizes.append((R, n_blocks))
+    assert row == len(blocks.query_of_row) and key == len(blocks.key_of_row)
+    assert blocks.sizes == tuple(sizes)
