@@ -228,39 +228,53 @@ def _one_query_blocks(step: DecodeStep) -> torch.Tensor:
     """:func:`_blocks_selected` for one new query per head of a cache without padding (the usual
     decode step). The own chunk and the query's place in it are host ints: the own chunk's
     logits come from its ``offset + 1`` keys by one product (not a whole chunk of transposed
-    keys), the past chunks' by ``embedding_bag``, and the index arithmetic runs on ``[B, H, P]``.
-    Logits and value-row indices are written into one row per head (past chunks, then own keys)."""
+    keys), the past chunks' by ``embedding_bag``. Logits and value-row indices are written in place
+    into one row per head (past chunks, then own keys), each part by one op over ``[B, H, P, c]``."""
     q, sums = step.q, step.sums
     B, H, _, D = q.shape
     c, T = sums.chunk_size, step.keys.shape[2]
     own, offset = divmod(T - 1, c)
     P = step.past.shape[-1]
     blocks = sums.key_blocks(step.keys)  # [B, H_kv, N, D, c]
-    H_kv = blocks.shape[1]
+    H_kv, N = blocks.shape[1], blocks.shape[2]
     scaled = q.float().view(B, H, D) * step.scale
     table, steps = _rows(step.values)
-    batch, kv_head = _kv_head(B, H, H_kv, q.device)
-    row0 = (batch * steps[0] + kv_head * steps[1])[..., 0]  # [B, H, 1]: position 0 of each head's values
+    row0 = _first_value_rows(B, H, H_kv, steps[0], steps[1], q.device)  # [B, H, 1]
+    position_rows = _arange(c, q.device) * steps[2]  # [c]: row offsets of a chunk's positions
     logits = scaled.new_empty(B, H, P * c + offset + 1)
     index = torch.empty(B, H, P * c + offset + 1, dtype=torch.long, device=q.device)
     own_keys = step.keys[:, :, own * c:].transpose(-1, -2)  # [B, H_kv, D, offset + 1]
     logits[..., P * c:] = fp32_matmul(scaled.view(B, H_kv, H // H_kv, D), own_keys).view(B, H, offset + 1)
-    torch.add(row0, torch.arange(own * c, T, device=q.device) * steps[2], out=index[..., P * c:])
+    torch.add(row0 + own * c * steps[2], position_rows[: offset + 1], out=index[..., P * c:])
     if P:
         valid = step.valid.reshape(B, H, P)
         chunks = torch.where(valid, step.past.reshape(B, H, P), own)  # unused slots: the own chunk, weight 0
-        first_block_row = ((batch * H_kv + kv_head)[..., 0] * blocks.shape[2] + chunks) * D  # [B, H, P]
+        first_block_row = (_kv_rows(B, H, H_kv, q.device) * N + chunks) * D  # [B, H, P]
         weights = scaled[:, :, None].expand(B, H, P, D)
         past = F.embedding_bag((first_block_row[..., None] + _arange(D, q.device)).reshape(-1, D), blocks.view(-1, c),
                                per_sample_weights=weights.reshape(-1, D), mode="sum").view(B, H, P, c)
-        logits[..., : P * c] = past.masked_fill_(~valid[..., None], float("-inf")).view(B, H, P * c)
-        # Positions past the query (an unused slot's own chunk) read the query's own value row, a row
-        # it attends anyway: a non-finite value elsewhere cannot reach the output through 0 * inf.
-        position = (chunks * c)[..., None] + _arange(c, q.device)
-        index[..., : P * c] = (row0[..., None] + position.clamp_(max=T - 1) * steps[2]).reshape(B, H, P * c)
+        torch.where(valid[..., None], past, past.new_full((), float("-inf")), out=logits[..., : P * c].view(B, H, P, c))
+        # An unused slot reads the query's own value row c times (weight 0): a row it attends anyway,
+        # so a non-finite value elsewhere cannot reach the output through 0 * inf.
+        first_row = torch.where(valid, row0 + chunks * (c * steps[2]), row0 + (T - 1) * steps[2])
+        torch.addcmul(first_row[..., None], valid[..., None], position_rows, out=index[..., : P * c].view(B, H, P, c))
     probs = logits.softmax(dim=-1)
     out = F.embedding_bag(index.view(B * H, -1), table, per_sample_weights=probs.view(B * H, -1), mode="sum")
     return out.view(B, H, 1, -1).to(q.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _kv_rows(B: int, H: int, H_kv: int, device: torch.device) -> torch.Tensor:
+    """``[B, H, 1]``: the (batch, KV head) row ``b * H_kv + kv head`` each query head reads."""
+    batch, kv_head = _kv_head(B, H, H_kv, device)
+    return (batch * H_kv + kv_head)[..., 0]
+
+
+@functools.lru_cache(maxsize=64)
+def _first_value_rows(B: int, H: int, H_kv: int, batch_step: int, head_step: int, device: torch.device) -> torch.Tensor:
+    """``[B, H, 1]``: the table row of position 0 of the values each query head reads (:func:`_rows` steps)."""
+    batch, kv_head = _kv_head(B, H, H_kv, device)
+    return (batch * batch_step + kv_head * head_step)[..., 0]
 
 
 def _block_logits(q, blocks, chunks, scale):
