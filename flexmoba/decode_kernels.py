@@ -228,8 +228,8 @@ def _one_query_blocks(step: DecodeStep) -> torch.Tensor:
     """:func:`_blocks_selected` for one new query per head of a cache without padding (the usual
     decode step). The own chunk and the query's place in it are host ints: the own chunk's
     logits come from its ``offset + 1`` keys by one product (not a whole chunk of transposed
-    keys), the past chunks' by ``embedding_bag``. Logits and value-row indices are written in place
-    into one row per head (past chunks, then own keys), each part by one op over ``[B, H, P, c]``."""
+    keys), the past chunks' by ``embedding_bag``. Logits and value-row indices are written into one
+    row per head (past chunks, then own keys); the value rows in place, each part by one op."""
     q, sums = step.q, step.sums
     B, H, _, D = q.shape
     c, T = sums.chunk_size, step.keys.shape[2]
@@ -253,7 +253,7 @@ def _one_query_blocks(step: DecodeStep) -> torch.Tensor:
         weights = scaled[:, :, None].expand(B, H, P, D)
         past = F.embedding_bag((first_block_row[..., None] + _arange(D, q.device)).reshape(-1, D), blocks.view(-1, c),
                                per_sample_weights=weights.reshape(-1, D), mode="sum").view(B, H, P, c)
-        torch.where(valid[..., None], past, past.new_full((), float("-inf")), out=logits[..., : P * c].view(B, H, P, c))
+        logits[..., : P * c] = torch.where(valid[..., None], past, float("-inf")).reshape(B, H, P * c)
         # An unused slot reads the query's own value row c times (weight 0): a row it attends anyway,
         # so a non-finite value elsewhere cannot reach the output through 0 * inf.
         first_row = torch.where(valid, row0 + chunks * (c * steps[2]), row0 + (T - 1) * steps[2])

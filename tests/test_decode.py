@@ -35,19 +35,24 @@ def padding_ids(start, S):
     return (torch.arange(S)[None, :] >= start[:, None]).long()
 
 
-def run_in_pieces(q, k, v, pieces, start=None, top_k=TOP_K, kernel="auto", **kwargs):
-    """Feed the sequence to a MoBAKVCache piece by piece; attend each piece's queries with ``kernel``."""
+def run_in_pieces(q, k, v, pieces, start=None, top_k=TOP_K, kernel="auto", grad_last_only=False, **kwargs):
+    """Feed the sequence to a MoBAKVCache piece by piece; attend each piece's queries with ``kernel``.
+    ``grad_last_only``: the earlier pieces attend detached queries (the cache is written in place, so
+    only its last call can be differentiated)."""
     cache = MoBAKVCache(CHUNK, start=start)
     no_blocks = ChunkKeySums(q.shape[0], k.shape[1], k.shape[3], CHUNK, start=start, key_dtype=k.dtype,
                              keep_blocks=False)
     outs, t = [], 0
     for n in pieces:
         cache.update(k[:, :, t:t + n], v[:, :, t:t + n])
+        q_piece = q[:, :, t:t + n]
+        if grad_last_only and t + n < q.shape[2]:
+            q_piece = q_piece.detach()
         if kernel == GATHER_COPY:
             spec = MobaSpec(CHUNK, top_k, backend="gather")
-            outs.append(attend_cached_keys(q[:, :, t:t + n], cache.keys, cache.values, no_blocks, spec, **kwargs))
+            outs.append(attend_cached_keys(q_piece, cache.keys, cache.values, no_blocks, spec, **kwargs))
         else:
-            outs.append(moba_decode_attention(q[:, :, t:t + n], cache, top_k=top_k, backend=kernel, **kwargs))
+            outs.append(moba_decode_attention(q_piece, cache, top_k=top_k, backend=kernel, **kwargs))
         t += n
     assert t == q.shape[2]
     if kernel == GATHER_COPY:
@@ -101,6 +106,24 @@ def test_chunked_prefill_equals_reference_rows(kernel, pieces):
     q, k, v = qkv()
     ref = moba_reference(q, k, v, chunk_size=CHUNK, top_k=TOP_K)
     torch.testing.assert_close(run_in_pieces(q, k, v, pieces, kernel=kernel), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("pieces", [[43, 1], [39, 5]], ids=["one-query", "chunked"])
+def test_query_gradients_through_decode_equal_the_reference(kernel, pieces):
+    """A decode call is differentiable in its queries (a loss on decoded positions): the last
+    piece's dq equals the reference's dq of those rows."""
+    q, k, v = qkv()
+    n = pieces[-1]
+    q.requires_grad_()
+    out = run_in_pieces(q, k, v, pieces, kernel=kernel, grad_last_only=True)[:, :, -n:]
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    (dq,) = torch.autograd.grad((out * grad_out).sum(), q)
+    q_ref = q.detach().clone().requires_grad_()
+    ref = moba_reference(q_ref, k, v, chunk_size=CHUNK, top_k=TOP_K)[:, :, -pieces[-1]:]
+    (dq_ref,) = torch.autograd.grad((ref * grad_out).sum(), q_ref)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dq, dq_ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
