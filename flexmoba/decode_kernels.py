@@ -239,7 +239,7 @@ def _one_query_blocks(step: DecodeStep) -> torch.Tensor:
     H_kv, N = blocks.shape[1], blocks.shape[2]
     scaled = q.float().view(B, H, D) * step.scale
     table, steps = _rows(step.values)
-    row0 = _first_value_rows(B, H, H_kv, steps[0], steps[1], q.device)  # [B, H, 1]
+    row0 = _head_rows(B, H, H_kv, steps[0], steps[1], q.device)  # [B, H, 1]: position 0 of each head's values
     position_rows = _arange(c, q.device) * steps[2]  # [c]: row offsets of a chunk's positions
     logits = scaled.new_empty(B, H, P * c + offset + 1)
     index = torch.empty(B, H, P * c + offset + 1, dtype=torch.long, device=q.device)
@@ -249,7 +249,7 @@ def _one_query_blocks(step: DecodeStep) -> torch.Tensor:
     if P:
         valid = step.valid.reshape(B, H, P)
         chunks = torch.where(valid, step.past.reshape(B, H, P), own)  # unused slots: the own chunk, weight 0
-        first_block_row = (_kv_rows(B, H, H_kv, q.device) * N + chunks) * D  # [B, H, P]
+        first_block_row = (_head_rows(B, H, H_kv, H_kv * N, N, q.device) + chunks) * D  # [B, H, P]
         weights = scaled[:, :, None].expand(B, H, P, D)
         past = F.embedding_bag((first_block_row[..., None] + _arange(D, q.device)).reshape(-1, D), blocks.view(-1, c),
                                per_sample_weights=weights.reshape(-1, D), mode="sum").view(B, H, P, c)
@@ -264,15 +264,8 @@ def _one_query_blocks(step: DecodeStep) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _kv_rows(B: int, H: int, H_kv: int, device: torch.device) -> torch.Tensor:
-    """``[B, H, 1]``: the (batch, KV head) row ``b * H_kv + kv head`` each query head reads."""
-    batch, kv_head = _kv_head(B, H, H_kv, device)
-    return (batch * H_kv + kv_head)[..., 0]
-
-
-@functools.lru_cache(maxsize=64)
-def _first_value_rows(B: int, H: int, H_kv: int, batch_step: int, head_step: int, device: torch.device) -> torch.Tensor:
-    """``[B, H, 1]``: the table row of position 0 of the values each query head reads (:func:`_rows` steps)."""
+def _head_rows(B: int, H: int, H_kv: int, batch_step: int, head_step: int, device: torch.device) -> torch.Tensor:
+    """``[B, H, 1]``: ``b * batch_step + kv head * head_step`` for each query head's (batch, KV head)."""
     batch, kv_head = _kv_head(B, H, H_kv, device)
     return (batch * batch_step + kv_head * head_step)[..., 0]
 

@@ -262,11 +262,8 @@ class PairBlocks:
 
     def keys(self, x: torch.Tensor) -> list[torch.Tensor]:
         """``x: [B * H_kv * T, D]`` per key -> per block size each block's copy of its chunk, ``[blocks, 1, c, D]``."""
-        return self._split(x.index_select(0, self.key_of_row), [self.chunk] * len(self.sizes))
-
-    @property
-    def chunk(self) -> int:
-        return len(self.key_of_row) // sum(n for _, n in self.sizes)
+        chunk = len(self.key_of_row) // sum(n for _, n in self.sizes)
+        return self._split(x.index_select(0, self.key_of_row), [chunk] * len(self.sizes))
 
     def _split(self, x: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
         parts = x.split([L * n for L, (_, n) in zip(lengths, self.sizes, strict=True)])
@@ -276,17 +273,13 @@ class PairBlocks:
         """Per block size ``[blocks, 1, R]`` log-sum-exp -> ``[rows]``, -inf on the padding rows."""
         return torch.cat([p.reshape(-1) for p in parts]).index_fill_(0, self.padding, float("-inf"))
 
-    def add_per_query(self, parts: list[torch.Tensor], out: torch.Tensor) -> None:
-        """Add per block size ``[blocks, 1, R, D]`` per block row into ``out: [B * H * S, D]`` per query."""
-        queries = self.query_of_row.split([R * n for R, n in self.sizes])
-        for part, query in zip(parts, queries, strict=True):
-            out.index_add_(0, query, part.reshape(-1, out.shape[-1]))
 
-    def add_per_key(self, parts: list[torch.Tensor], out: torch.Tensor) -> None:
-        """Add per block size ``[blocks, 1, c, D]`` per block key into ``out: [B * H_kv * T, D]`` per key."""
-        keys = self.key_of_row.split([self.chunk * n for _, n in self.sizes])
-        for part, key in zip(parts, keys, strict=True):
-            out.index_add_(0, key, part.reshape(-1, out.shape[-1]))
+def index_add_parts(out: torch.Tensor, index: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    """``out.index_add_(0, index, cat(parts))`` without the cat: ``parts`` hold consecutive runs of
+    ``index``'s rows (any leading shape, rows of ``out.shape[-1]``)."""
+    rows = [part.reshape(-1, out.shape[-1]) for part in parts]
+    for part, part_index in zip(rows, index.split([len(r) for r in rows]), strict=True):
+        out.index_add_(0, part_index, part)
 
 
 def pair_blocks(pairs: PastPairs, key_len: int, chunk: int, unit: int, width: int) -> PairBlocks | None:
@@ -408,9 +401,9 @@ def _backward_blocks(grad_out, q, k, v, out, lse, dq, dk, dv, scale: float, bloc
               blocks.rows(lse[:, None]))
     grads = [dense_attention_backward(g, q_b, k_b, v_b, o, lse_b[..., 0], False, scale)
              for g, q_b, k_b, v_b, o, lse_b in zip(*inputs, strict=True)]
-    blocks.add_per_query([dq_b for dq_b, _, _ in grads], dq.view(-1, D))
-    blocks.add_per_key([dk_b for _, dk_b, _ in grads], dk.view(-1, D))
-    blocks.add_per_key([dv_b for _, _, dv_b in grads], dv.view(-1, Dv))
+    index_add_parts(dq.view(-1, D), blocks.query_of_row, [dq_b for dq_b, _, _ in grads])
+    index_add_parts(dk.view(-1, D), blocks.key_of_row, [dk_b for _, dk_b, _ in grads])
+    index_add_parts(dv.view(-1, Dv), blocks.key_of_row, [dv_b for _, _, dv_b in grads])
 
 
 def _rows(q, k, v):
@@ -549,10 +542,8 @@ def merge_pairs(own_out, own_lse, query, pair_lse, pair_outs: list[torch.Tensor]
     total = torch.exp(own_lse - top).index_add_(0, query, torch.exp(pair_lse - top.index_select(0, query)))
     lse = top + torch.log(total)
     out = own_out.float().mul_(torch.exp(own_lse - lse)[:, None])
-    weight = torch.exp(pair_lse - lse.index_select(0, query))
-    lengths = [len(part) for part in pair_outs]
-    for part, part_query, part_weight in zip(pair_outs, query.split(lengths), weight.split(lengths), strict=True):
-        out.index_add_(0, part_query, part.float().mul_(part_weight[:, None]))
+    weights = torch.exp(pair_lse - lse.index_select(0, query)).split([len(part) for part in pair_outs])
+    index_add_parts(out, query, [part.float().mul_(w[:, None]) for part, w in zip(pair_outs, weights, strict=True)])
     return out, lse
 
 
