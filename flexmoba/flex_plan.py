@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask
 
 from flexmoba import validation
-from flexmoba.block_mask import DEFAULT_BLOCK_SIZE, attended_pairs, listed_first, tables_from_pairs
+from flexmoba.block_mask import DEFAULT_BLOCK_SIZE, listed_first
 from flexmoba.compiled_flex import active_flex_attention, needs_sink
 from flexmoba.gate import Selection, select_chunks
 from flexmoba.gather import sort_key_dtype
@@ -171,8 +171,7 @@ def _exclusive_cumsum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def _own_rows(selection: Selection, H_kv: int, own_len: int, query_start: int = 0):
-    """Intervals and sources of the own rows, the own slot's virtual row ``[B, H, S]``, and one
-    head's own intervals ``(start, end)``, each ``[B, own_len / G]`` (every head's are the same)."""
+    """Intervals and sources of the own rows, and the own slot's virtual row ``[B, H, S]``."""
     layout = selection.layout
     B, H, S, _ = selection.past_chunks.shape
     G = H // H_kv
@@ -186,7 +185,7 @@ def _own_rows(selection: Selection, H_kv: int, own_len: int, query_start: int = 
     source = (head * S + t).reshape(1, 1, G * padded).expand(B, H_kv, -1)
     own_row = (head * padded + positions[:S]).expand(B, H_kv, G, S).reshape(B, H, S)
     expand = lambda x: x[:, None, None, :].expand(B, H_kv, G, padded).reshape(B, H_kv, own_len)  # noqa: E731
-    return expand(start), expand(end), source, own_row, (start, end)
+    return expand(start), expand(end), source, own_row
 
 
 def _past_rows(selection: Selection, H_kv: int, own_len: int, past_len: int, block_q: int):
@@ -247,19 +246,42 @@ def _sort_rows(key: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tenso
     return flat.view(R, M) - row * bound, order.view(R, M) - row * M
 
 
-def _own_tables(start: torch.Tensor, end: torch.Tensor, G: int, H_kv: int, block_size: tuple[int, int],
-                kv_len: int, sink_at: int | None) -> tuple[torch.Tensor, ...]:
-    """Block tables (partial count, indices, full count, indices) of the own rows, each
-    ``[B, H_kv, G * n / Bq, ...]``, from one head's own intervals ``start, end: [B, n]``: every
-    query head's own rows read the same keys, so their tables are built once."""
-    starts, ends = start[:, None, :, None], end[:, None, :, None]  # [B, 1, n, 1]
-    if sink_at is not None:
-        used = ends > 0
-        starts = torch.cat([starts, torch.where(used, sink_at, 0)], -1)
-        ends = torch.cat([ends, torch.where(used, sink_at + 1, 0)], -1)
-    tables = tables_from_pairs(attended_pairs(starts, ends, block_size, kv_len), block_size, start.shape[1], kv_len)
-    repeated = (t.repeat(1, 1, G, *[1] * (t.dim() - 3)) for t in tables)
-    return tuple(t.expand(-1, H_kv, *t.shape[2:]) for t in repeated)
+def _own_tables(chunk_start: torch.Tensor, query_start: int, padded: int, H_kv: int,
+                block_size: tuple[int, int], kv_len: int, sink_at: int | None) -> tuple[torch.Tensor, ...]:
+    """Block tables (partial count, indices, full count, indices) of one query head's own rows,
+    each ``[B, H_kv, padded / Bq, ...]`` (a view): every query head's own rows read the same keys,
+    so their tables are built once, from ``chunk_start: [B, S]`` (the first key of each query's chunk).
+
+    Own row t attends keys ``[chunk_start[t], query_start + t + 1)`` and the sink; rows from S on
+    attend nothing. Both bounds never decrease with t, so in a query block the rows reaching key
+    block j are those from the first one ending past j's first key, whose start is their lowest:
+    each (query block, key block) entry needs that row's start and the block's end rows, no
+    per-row counting.
+    """
+    Bq, Bk = block_size
+    B, S = chunk_start.shape
+    device = chunk_start.device
+    real_keys = kv_len if sink_at is None else sink_at
+    first_row = torch.arange(0, padded, Bq, device=device)[:, None]  # [T, 1]
+    last_row = (first_row + Bq).clamp(max=S) - 1  # [T, 1]; < first_row: no real row
+    first_key = torch.arange(0, kv_len, Bk, device=device)  # [N]
+    key_end = (first_key + Bk).clamp(max=real_keys)  # [N]; <= first_key: only the sink
+    has_keys = key_end > first_key
+    reaching = torch.maximum(first_row, first_key - query_start)  # [T, N] first row ending past first_key
+    starts = chunk_start.gather(1, reaching.clamp(max=S - 1).flatten().expand(B, -1)).view(B, *reaching.shape)
+    attends = has_keys & (reaching <= last_row) & (starts < key_end)  # [B, T, N]
+    complete = first_row + Bq <= S  # [T, 1] every row real
+    covered = (chunk_start[:, last_row.clamp(max=S - 1)] <= first_key) & (query_start + first_row + 1 >= key_end)
+    full = complete & (covered | ~has_keys)
+    if sink_at is None:
+        full = full & has_keys
+    else:
+        holds_sink = (first_key <= sink_at) & (sink_at < first_key + Bk)  # [N]
+        attends = attends | (holds_sink & (first_row < S))
+        full = full & (has_keys | holds_sink)
+    block = torch.arange(first_key.shape[0], device=device).expand_as(attends)
+    tables = (*listed_first(attends & ~full, block, block.shape[-1]), *listed_first(full, block, block.shape[-1]))
+    return tuple(t[:, None].expand(-1, H_kv, *t.shape[1:]) for t in tables)
 
 
 def _past_tables(start: torch.Tensor, end: torch.Tensor, span: int, block_size: tuple[int, int], kv_len: int,
@@ -323,8 +345,9 @@ def plan_from_selection(selection: Selection, kv_heads: int, *, block_size: int 
     own_len, past_len = virtual_lengths(G, S, selection.layout.chunk_size, P + 1, Bq, query_start)
     with torch.no_grad():
         kv_len, sink_at = T + int(sink), T if sink else None
-        own_start, own_end, own_source, own_row, own_intervals = _own_rows(selection, kv_heads, own_len, query_start)
-        tables = _own_tables(*own_intervals, G, kv_heads, (Bq, Bk), kv_len, sink_at)
+        own_start, own_end, own_source, own_row = _own_rows(selection, kv_heads, own_len, query_start)
+        own_tables = _own_tables(selection.layout.chunk_start, query_start, own_len // G, kv_heads, (Bq, Bk),
+                                 kv_len, sink_at)
         if P > 0:
             past_start, past_end, past_source, past_row, past_intervals = _past_rows(
                 selection, kv_heads, own_len, past_len, Bq)
@@ -332,11 +355,13 @@ def plan_from_selection(selection: Selection, kv_heads: int, *, block_size: int 
             key_end = torch.cat([own_end, past_end], 2)
             source = torch.cat([own_source, past_source], 2)
             rows = torch.cat([own_row[..., None], past_row], -1)
-            past_tables = _past_tables(*past_intervals, selection.layout.chunk_size, (Bq, Bk), kv_len, sink_at)
-            tables = tuple(torch.cat(pair, 2) for pair in zip(tables, past_tables, strict=True))
+            past_tables = [[t] for t in _past_tables(*past_intervals, selection.layout.chunk_size, (Bq, Bk),
+                                                     kv_len, sink_at)]
         else:
             key_start, key_end, source, rows = own_start, own_end, own_source.contiguous(), own_row[..., None]
-            tables = tuple(t.contiguous() for t in tables)
+            past_tables = [[]] * 4
+        # The own rows' tables once per query head of the group, then the past rows'.
+        tables = tuple(torch.cat([own] * G + past, 2) for own, past in zip(own_tables, past_tables, strict=True))
         valid = F.pad(selection.past_valid, (1, 0), value=True)  # own slot first
         mask_mod = _interval_mask_mod(key_start, key_end, sink_at)
         block_mask = BlockMask.from_kv_blocks(

@@ -208,24 +208,32 @@ def select_past_chunks_on_grid(
     B, H, R, D = rows.shape
     H_kv, N = means.shape[1], means.shape[2]
     P = min(top_k - 1, N - 1)
-    indices = torch.zeros(B, H_kv, H // H_kv, P, R, dtype=torch.long, device=rows.device)
-    valid = torch.zeros(B, H_kv, H // H_kv, P, R, dtype=torch.bool, device=rows.device)
+    # Each slot's maximum and chunk + 1, for all groups: chunk 0 and -inf (invalid) where no group writes.
+    ranks = rows.new_ones(B, H_kv, H // H_kv, P, R)
+    maxima = rows.new_full((B, H_kv, H // H_kv, P, R), float("-inf"))
     by_column = rows.view(B, H_kv, H // H_kv, R, D).transpose(-1, -2)  # [B, H_kv, g, D, R], a view
     latest_first = means.flip(2)[:, :, None]  # [B, H_kv, 1, N, D]: row i is chunk N-1-i
+    groups = query_chunk_groups(N, B * H * R * (N - 1) // 2) if P else []
+    spans = [(end - 1, slice(first * rows_per_chunk, min(end * rows_per_chunk, R))) for first, end in groups]
+    # Two buffers for every group's scores and work: fresh ones per group cost page faults on CPU.
+    largest = max((B * H * n_past * (columns.stop - columns.start) for n_past, columns in spans), default=0)
+    scores_buffer, work_buffer = rows.new_empty(largest), rows.new_empty(largest)
     biases = {}
-    for first, end in query_chunk_groups(N, B * H * R * (N - 1) // 2) if P else []:
-        n_past = end - 1  # the group's past: chunks 0 .. end-2, as score rows end-2 .. 0
-        columns = slice(first * rows_per_chunk, min(end * rows_per_chunk, R))
-        scores = fp32_matmul(latest_first[:, :, :, N - n_past:], by_column[..., columns])  # [.., n_past, r]
+    for (first, end), (n_past, columns) in zip(groups, spans, strict=True):  # the group's past: chunks 0 .. end-2
+        shape = (B, H_kv, H // H_kv, n_past, columns.stop - columns.start)
+        scores = scores_buffer[:math.prod(shape)].view(shape)
+        fp32_matmul(latest_first[:, :, :, N - n_past:], by_column[..., columns], out=scores)  # rows end-2 .. 0
         if end - first > 1:  # the top rows, chunks first .. end-2, are not in the past of every column
-            key = (end - first, columns.stop - columns.start)
+            key = (end - first, shape[-1])
             if key not in biases:
                 biases[key] = _not_past_bias(end - first - 1, key[1], rows_per_chunk, rows.device)
             scores[..., :end - first - 1, :].add_(biases[key])
         scores.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))  # inf - inf: not past
         taken = min(P, n_past)
-        indices[..., :taken, columns], valid[..., :taken, columns] = _latest_first_maxima(scores, taken)
-    return indices.view(B, H, P, R).transpose(-1, -2), valid.view(B, H, P, R).transpose(-1, -2)
+        _rank_maxima(scores, work_buffer[:scores.numel()].view(shape),
+                     ranks[..., :taken, columns], maxima[..., :taken, columns])
+    per_head = lambda x: x.view(B, H, P, R).transpose(-1, -2)  # noqa: E731
+    return per_head(ranks.sub_(1).long()), per_head(maxima > float("-inf"))
 
 
 def _not_past_bias(n_rows: int, n_columns: int, rows_per_chunk: int, device) -> torch.Tensor:
@@ -244,30 +252,52 @@ FEW_SCORES = 2**14
 
 
 def _latest_first_maxima(scores: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``count`` best chunks of each column of ``scores: [..., n_past, r]`` (no NaN; row i is past
-    chunk ``n_past - 1 - i``) as ``(chunk indices, valid)``, each ``[..., count, r]``, best first;
-    overwrites ``scores``.
+    """The ``count`` best chunks of each column of ``scores: [..., n_past, r]`` (contiguous, no NaN;
+    row i is past chunk ``n_past - 1 - i``) as ``(chunk indices, valid)``, each ``[..., count, r]``,
+    best first; overwrites ``scores``. Of equal maxima the first row, the later chunk, wins."""
+    if scores.numel() <= FEW_SCORES:
+        return _latest_first_maxima_by_max(scores, count)
+    shape = (*scores.shape[:-2], count, scores.shape[-1])
+    ranks, maxima = scores.new_empty(shape), scores.new_empty(shape)
+    _rank_maxima(scores, torch.empty_like(scores), ranks, maxima)
+    return ranks.sub_(1).long(), maxima > float("-inf")
 
-    Of equal maxima the first row, the later chunk, wins; a taken chunk is set to -inf. ``max``
-    returns the first row holding the maximum; on many scores the same row comes from ``amax``
-    over rows ranked ``n_past .. 1``, whose passes cost a tenth of ``max`` with indices on CPU.
-    """
+
+def _latest_first_maxima_by_max(scores: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_latest_first_maxima` with one ``max`` call per slot: cheaper on few scores."""
     n_past = scores.shape[-2]
-    few = scores.numel() <= FEW_SCORES
-    rank_dtype = torch.int8 if n_past < 2**7 else torch.int16 if n_past < 2**15 else torch.int32
-    rank = None if few else torch.arange(n_past, 0, -1, dtype=rank_dtype, device=scores.device)[:, None]
     rows, maxima = [], []
     for slot in range(count):
-        if few:
-            best, row = scores.max(-2, keepdim=True)
-        else:
-            best = scores.amax(-2, keepdim=True)
-            row = n_past - torch.mul(scores == best, rank).amax(-2, keepdim=True).long()
+        best, row = scores.max(-2, keepdim=True)
         rows.append(row)
         maxima.append(best)
         if slot + 1 < count:
             scores.scatter_(-2, row, float("-inf"))
     return n_past - 1 - torch.cat(rows, -2), torch.cat(maxima, -2) > float("-inf")
+
+
+def _rank_maxima(scores: torch.Tensor, work: torch.Tensor, ranks: torch.Tensor, maxima: torch.Tensor) -> None:
+    """:func:`_latest_first_maxima` by ``amax`` passes, into ``maxima`` and ``ranks`` (chunk + 1), each
+    ``[..., count, r]`` fp32; overwrites ``scores`` and ``work`` (``scores``' shape).
+
+    ``max`` returns the first row holding the maximum; on many scores the same row comes from
+    ``amax`` over rows ranked ``n_past .. 1`` (chunk + 1) where the score equals the column's
+    maximum, whose passes cost a tenth of ``max`` with indices on CPU. The comparison writes fp32
+    (1.0 where equal): CPU comparisons writing bool run at a quarter of that speed. A taken chunk
+    is set to -inf, one element per column addressed in the flat scores.
+    """
+    n_past, r = scores.shape[-2], scores.shape[-1]
+    rank = torch.arange(n_past, 0, -1, dtype=scores.dtype, device=scores.device)[:, None]
+    count = ranks.shape[-2]
+    if count > 1:  # flat index of (row 0, column) of each (batch, head) block, plus the row of rank 0
+        first = torch.arange(0, scores.numel(), n_past * r, device=scores.device)[:, None]
+        row_zero = (first + torch.arange(r, device=scores.device)).add_(n_past * r).view(ranks[..., :1, :].shape)
+    for slot in range(count):
+        best = torch.amax(scores, -2, keepdim=True, out=maxima[..., slot:slot + 1, :])
+        taken = torch.amax(torch.eq(scores, best, out=work).mul_(rank), -2, keepdim=True,
+                           out=ranks[..., slot:slot + 1, :])
+        if slot + 1 < count:  # row n_past - rank of each column
+            scores.view(-1).index_fill_(0, torch.add(row_zero, taken.long(), alpha=-r).view(-1), float("-inf"))
 
 
 def select_before_chunk(
@@ -297,13 +327,14 @@ def select_before_chunk(
     return per_head(indices.long()), per_head(valid.bool())
 
 
-def fp32_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` of fp32 tensors in fp32 under autocast too (which would run it in bf16)."""
+def fp32_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b`` of fp32 tensors in fp32 under autocast too (which would run it in bf16), into ``out``
+    when given."""
     device = a.device.type
     if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):
-        return a @ b
+        return torch.matmul(a, b, out=out)
     with torch.autocast(device, enabled=False):
-        return a @ b
+        return torch.matmul(a, b, out=out)
 
 
 def select_chunks(

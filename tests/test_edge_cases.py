@@ -119,18 +119,24 @@ def test_tied_gate_scores_every_backend_equals_oracle(backend, problem):
     torch.testing.assert_close(got.double(), oracle_out(problem), atol=1e-5, rtol=1e-5)
 
 
+def decode_in_pieces(q, k, v, chunk, top_k, pieces, backend="auto"):
+    cache, outs, t = MoBAKVCache(chunk), [], 0
+    for n in pieces:
+        cache.update(k[:, :, t:t + n], v[:, :, t:t + n])
+        outs.append(moba_decode_attention(q[:, :, t:t + n], cache, top_k=top_k, backend=backend))
+        t += n
+    return torch.cat(outs, 2)
+
+
 @pytest.mark.parametrize("few_scores", [0, 2**62], ids=["amax_passes", "max_indices"])
-@given(tied_problems())
-def test_tied_gate_scores_equal_oracle_on_both_maxima_paths(few_scores, problem):
-    """The gate takes a slot's maximum by ``max`` with indices on few scores, by ``amax`` over ranked
-    rows on many; small problems only reach the first, so each is forced here."""
-    original = gate.FEW_SCORES
-    gate.FEW_SCORES = few_scores
-    try:
-        got = dense_moba_mask(select_chunks(problem.q, problem.k, **problem.kwargs))
-    finally:
-        gate.FEW_SCORES = original
-    assert torch.equal(got, oracle.dense_mask(problem.q, problem.k, **problem.kwargs)), problem
+def test_tied_gate_scores_decode_equals_oracle_on_both_maxima_paths(few_scores, monkeypatch):
+    """Decoding's gate takes a slot's maximum by ``max`` with indices on few scores, by ``amax``
+    over ranked rows on many (as the prefill gate always does); small problems only reach the
+    first, so each is forced here."""
+    monkeypatch.setattr(gate, "FEW_SCORES", few_scores)
+    q, k, v = integer_inputs(7, 2, 4, 2, 44, 4)
+    expected = oracle.attention(q, k, v, 8, 3).float()
+    torch.testing.assert_close(decode_in_pieces(q, k, v, 8, 3, [1] * 44), expected, atol=1e-5, rtol=1e-5)
 
 
 @given(tied_problems())
@@ -142,15 +148,9 @@ def test_tied_gate_scores_flex_plan_equals_oracle(problem):
 @pytest.mark.parametrize("pieces", [[1] * 44, [8, 8, 8, 8, 8, 4], [5, 3, 16, 1, 7, 12]],
                          ids=["tokens", "chunk_boundaries", "mixed"])
 def test_tied_gate_scores_decode_equals_oracle(backend, pieces):
-    chunk, top_k = 8, 3
     q, k, v = integer_inputs(7, 2, 4, 2, 44, 4)
-    cache, outs, t = MoBAKVCache(chunk), [], 0
-    for n in pieces:
-        cache.update(k[:, :, t:t + n], v[:, :, t:t + n])
-        outs.append(moba_decode_attention(q[:, :, t:t + n], cache, top_k=top_k, backend=backend))
-        t += n
-    expected = oracle.attention(q, k, v, chunk, top_k).float()
-    torch.testing.assert_close(torch.cat(outs, 2), expected, atol=1e-5, rtol=1e-5)
+    expected = oracle.attention(q, k, v, 8, 3).float()
+    torch.testing.assert_close(decode_in_pieces(q, k, v, 8, 3, pieces, backend), expected, atol=1e-5, rtol=1e-5)
 
 
 # -- top_k far beyond the number of chunks -------------------------------------------------

@@ -6,8 +6,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import flex_attention
 
-from flexmoba import compiled_flex_attention, moba_flex_plan, select_chunks
+from flexmoba import MobaSpec, compiled_flex_attention, moba_flex_plan, select_chunks
 from flexmoba import flex_plan as flex_plan_module
+from flexmoba.context_parallel import local_moba_selection
+from flexmoba.flex_plan import plan_from_selection
 
 import oracle
 from strategies import Problem, problems, random_inputs
@@ -50,14 +52,13 @@ def test_plan_custom_scale_equals_oracle(problem, scale):
     torch.testing.assert_close(got.double(), oracle_out(problem, scale), atol=1e-5, rtol=1e-5)
 
 
-def dense_virtual_mask(plan):
+def dense_virtual_mask(plan, query_start=0):
     """``[B, H_kv, L, kv_len]`` bool: which keys each virtual row attends (sink included)."""
-    S = plan.selection.chunks.shape[2]
-    kv_len = S + int(plan.sink)
-    keys = torch.arange(kv_len)
+    T = query_start + plan.selection.chunks.shape[2]
+    keys = torch.arange(T + int(plan.sink))
     mask = (keys >= plan.key_start[..., None]) & (keys < plan.key_end[..., None])
     if plan.sink:
-        mask[..., S] = plan.key_end > 0
+        mask[..., T] = plan.key_end > 0
     return mask
 
 
@@ -68,13 +69,14 @@ def listed_blocks(num, indices, n_blocks):
     return listed
 
 
-@given(problems(max_seq_len=48), st.sampled_from([(4, 4), (8, 4), (4, 8), (16, 16)]), st.booleans())
-def test_block_tables_match_the_dense_virtual_mask(problem, block_size, sink):
+BLOCK_SIZES = [(4, 4), (8, 4), (4, 8), (16, 16)]
+
+
+def assert_tables_match_the_dense_virtual_mask(plan, block_size, query_start=0):
     """Compiled kernels skip the mask_mod on "full" blocks: a block must be full exactly
     when every pair in it is attended, partial when some are, and listed otherwise never."""
-    plan = plan_of(problem, block_size=block_size, sink=sink)
     Bq, Bk = block_size
-    mask = dense_virtual_mask(plan)
+    mask = dense_virtual_mask(plan, query_start)
     L, kv_len = mask.shape[-2:]
     n_tiles, n_blocks = -(-L // Bq), -(-kv_len // Bk)
     padded = torch.zeros(*mask.shape[:2], n_tiles * Bq, n_blocks * Bk, dtype=torch.bool)
@@ -89,6 +91,30 @@ def test_block_tables_match_the_dense_virtual_mask(problem, block_size, sink):
     partial = listed_blocks(bm.kv_num_blocks, bm.kv_indices, n_blocks)
     assert torch.equal(full, attended == area)
     assert torch.equal(partial, (attended > 0) & (attended < area))
+
+
+@given(problems(max_seq_len=48), st.sampled_from(BLOCK_SIZES), st.booleans())
+def test_block_tables_match_the_dense_virtual_mask(problem, block_size, sink):
+    assert_tables_match_the_dense_virtual_mask(plan_of(problem, block_size=block_size, sink=sink), block_size)
+
+
+def long_chunks_problem():
+    q, k, v = random_inputs(5, 1, 2, 1, 32, 4)
+    return Problem(q, k, v, chunk_size=16, top_k=2, granularity="token", document_ids=None)
+
+
+# Query 3 is the first of a query block and its row ends where key block 0 does: full, not partial.
+@example(long_chunks_problem(), (4, 4), False, 3)
+@given(problems(max_seq_len=48), st.sampled_from(BLOCK_SIZES), st.booleans(), st.integers(0, 47))
+def test_block_tables_of_queries_after_a_prefix_match_the_dense_virtual_mask(problem, block_size, sink, query_start):
+    """Context parallelism's plans: the queries are positions ``[query_start, T)`` of T keys."""
+    query_start %= problem.q.shape[2]
+    spec = MobaSpec(problem.chunk_size, problem.top_k)
+    selection = local_moba_selection(problem.q[:, :, query_start:], problem.k, spec, query_start,
+                                     problem.document_ids)
+    plan = plan_from_selection(selection, problem.k.shape[1], block_size=block_size, sink=sink,
+                               query_start=query_start)
+    assert_tables_match_the_dense_virtual_mask(plan, block_size, query_start)
 
 
 @pytest.mark.parametrize("seq_len", [8192, 32768])
