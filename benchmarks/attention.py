@@ -14,7 +14,8 @@ the device allows (flex has no CPU backward), of:
 
 MoBA times are end to end (gating + mask/plan + attention: what ``moba_attention`` costs a
 model); ``kernel`` is the attention alone with the mask/selection prebuilt; ``build`` is
-the gating + mask alone. The causal flex mask is static, so it is built once, outside the
+the gating + mask alone, timed in turns with ``kernel`` (build / kernel: their ratio, as both
+saw the same machine). The causal flex mask is static, so it is built once, outside the
 timing. speedup = sdpa_causal time / time. FLOP ideal = causal (query, key) pairs / pairs
 MoBA attends, from the real selection. achieved = forward speedup / ideal. Block density
 = blocks the flex kernel visits / causal blocks; visited/attended = (query, key) pairs in
@@ -47,6 +48,7 @@ from benchmarks.common import (
     block_density,
     capture_qkv,
     causal_block_mask,
+    interleaved_median_seconds,
     load_checkpoint_model,
     markdown_table,
     median_seconds,
@@ -72,7 +74,7 @@ DISTANCE_BINS = [(1, 1), (2, 2), (3, 3), (4, 4), (5, 8), (9, 16), (17, 32), (33,
 
 COLUMNS = [
     ("seq_len", "S"), ("config", "chunk/top-k"), ("method", "method"),
-    ("fwd_ms", "fwd (ms)"), ("kernel_ms", "kernel (ms)"), ("build_ms", "build (ms)"),
+    ("fwd_ms", "fwd (ms)"), ("kernel_ms", "kernel (ms)"), ("build_ms", "build (ms)"), ("build_share", "build / kernel"),
     ("fwd_bwd_ms", "fwd+bwd (ms)"), ("speedup_fwd", "speedup fwd"), ("speedup_kernel", "speedup kernel"),
     ("speedup_fwd_bwd", "speedup fwd+bwd"), ("flop_ideal", "FLOP ideal"), ("achieved", "achieved"),
     ("block_density", "block density"), ("visited_ratio", "visited/attended"), ("peak_fwd_mb", "peak fwd (MB)"),
@@ -253,10 +255,13 @@ def measure(case: Case, args, want_backward: bool) -> dict:
     row: dict = {}
     with torch.no_grad():
         row["fwd_ms"] = 1e3 * median_seconds(lambda: runner.forward(case.q, case.k, case.v), args.repeats)
-        if runner.kernel is not None:
-            row["kernel_ms"] = 1e3 * median_seconds(runner.kernel, args.repeats)
-        if runner.build is not None:
-            row["build_ms"] = 1e3 * median_seconds(runner.build, args.repeats)
+        if runner.kernel is not None and runner.build is not None:  # their ratio is the point: timed in turns
+            kernel_s, build_s = interleaved_median_seconds([runner.kernel, runner.build], args.repeats)
+            row.update(kernel_ms=1e3 * kernel_s, build_ms=1e3 * build_s, build_share=build_s / kernel_s)
+        else:
+            for name, fn in (("kernel_ms", runner.kernel), ("build_ms", runner.build)):
+                if fn is not None:
+                    row[name] = 1e3 * median_seconds(fn, args.repeats)
         row["peak_fwd_mb"] = peak_extra_mb(lambda: runner.forward(case.q, case.k, case.v), device)
     if runner.block_mask is not None and case.method != "moba_flex":
         row["block_density"] = block_density(runner.block_mask, case.q.shape[2])

@@ -32,21 +32,31 @@ DEFAULT_OUT = Path("runs/benchmarks")
 
 def median_seconds(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> float:
     """Median wall time of ``fn()`` over ``repeats`` runs, after ``warmup`` untimed runs."""
+    return interleaved_median_seconds([fn], repeats, warmup)[0]
+
+
+def interleaved_median_seconds(fns: list[Callable[[], object]], repeats: int = 3, warmup: int = 1) -> list[float]:
+    """Median wall time of each of ``fns`` over ``repeats`` rounds of one call each, after ``warmup``
+    untimed rounds: timed in turns, their ratios see the same machine (separate runs drift apart
+    on a noisy VM)."""
     if repeats < 2 or warmup < 1:
         raise ValueError(f"timing needs a warm-up and at least 2 repeats (got warmup={warmup}, repeats={repeats}): "
                          "one cold call is not a measurement")
     for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn in fns:
+            fn()
+    rounds = [[_timed(fn) for fn in fns] for _ in range(repeats)]
+    return [statistics.median(times) for times in zip(*rounds, strict=True)]
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 def _proc_status_kb(field: str) -> int:
