@@ -211,18 +211,16 @@ def _past_rows(selection: Selection, H_kv: int, own_len: int, past_len: int, blo
     first_row = own_len + _exclusive_cumsum(blocks) * block_q  # [R, n] first virtual row of each chunk
 
     sorted_key, order = _sort_rows(key, n + 1)
-    in_range = sorted_key < n
-    sorted_key = sorted_key.clamp(max=n - 1)
-    rank = torch.arange(key.shape[1], device=device) - _exclusive_cumsum(counts).gather(1, sorted_key)
-    row_sorted = (first_row.gather(1, sorted_key) + rank) * in_range  # unused pairs: row 0
+    # A pair's virtual row: its chunk's first row plus its place among the chunk's pairs in sorted order.
+    first_row_less_place = F.pad(first_row - _exclusive_cumsum(counts), (0, 1))  # [R, n + 1]; n: unused
+    place = torch.arange(key.shape[1], device=device)
+    row_sorted = (first_row_less_place.gather(1, sorted_key) + place) * (sorted_key < n)  # unused pairs: row 0
     rows = torch.empty_like(row_sorted).scatter_(1, order, row_sorted)  # [R, G*S*P]
 
-    source = torch.zeros(R, own_len + past_len + 1, dtype=torch.long, device=device)
-    query = torch.arange(G * S, device=device).repeat_interleave(P)  # head_in_group * S + t, per pair
-    spare = own_len + past_len  # unused pairs write here
-    scatter_to = spare - in_range * (spare - row_sorted)
-    source.scatter_(1, scatter_to, query.index_select(0, order.flatten()).view_as(order))
-    source = source[:, own_len:own_len + past_len]
+    # Pair m of a row is slot m % P of query m // P (head_in_group * S + t). Unused pairs write to
+    # row 0, an own row, cut off here.
+    source = torch.zeros(R, own_len + past_len, dtype=torch.long, device=device)
+    source = source.scatter_(1, row_sorted, torch.div(order, P, rounding_mode="floor"))[:, own_len:]
 
     # Each block of past rows reads the one chunk it was laid out for.
     n_blocks = past_len // block_q
