@@ -270,13 +270,10 @@ def _own_tables(chunk_start: torch.Tensor, query_start: int, padded: int, H_kv: 
     attends = has_keys & (reaching <= last_row) & (starts < key_end)  # [B, T, N]
     complete = first_row + Bq <= S  # [T, 1] every row real
     covered = (chunk_start[:, last_row.clamp(max=S - 1)] <= first_key) & (query_start + first_row + 1 >= key_end)
-    full = complete & (covered | ~has_keys)
-    if sink_at is None:
-        full = full & has_keys
-    else:
+    full = complete & (covered | ~has_keys)  # no real keys: the sink's block alone, read by every real row
+    if sink_at is not None:
         holds_sink = (first_key <= sink_at) & (sink_at < first_key + Bk)  # [N]
         attends = attends | (holds_sink & (first_row < S))
-        full = full & (has_keys | holds_sink)
     block = torch.arange(first_key.shape[0], device=device).expand_as(attends)
     tables = (*listed_first(attends & ~full, block, block.shape[-1]), *listed_first(full, block, block.shape[-1]))
     return tuple(t[:, None].expand(-1, H_kv, *t.shape[1:]) for t in tables)

@@ -214,15 +214,16 @@ def select_past_chunks_on_grid(
     by_column = rows.view(B, H_kv, H // H_kv, R, D).transpose(-1, -2)  # [B, H_kv, g, D, R], a view
     latest_first = means.flip(2)[:, :, None]  # [B, H_kv, 1, N, D]: row i is chunk N-1-i
     groups = query_chunk_groups(N, B * H * R * (N - 1) // 2) if P else []
-    spans = [(end - 1, slice(first * rows_per_chunk, min(end * rows_per_chunk, R))) for first, end in groups]
+    spans = [(first, end, slice(first * rows_per_chunk, min(end * rows_per_chunk, R))) for first, end in groups]
     # Two buffers for every group's scores and work: fresh ones per group cost page faults on CPU.
-    largest = max((B * H * n_past * (columns.stop - columns.start) for n_past, columns in spans), default=0)
+    largest = max((B * H * (end - 1) * (columns.stop - columns.start) for _, end, columns in spans), default=0)
     scores_buffer, work_buffer = rows.new_empty(largest), rows.new_empty(largest)
     biases = {}
-    for (first, end), (n_past, columns) in zip(groups, spans, strict=True):  # the group's past: chunks 0 .. end-2
+    for first, end, columns in spans:
+        n_past = end - 1  # the group's past: chunks 0 .. end-2, as score rows end-2 .. 0
         shape = (B, H_kv, H // H_kv, n_past, columns.stop - columns.start)
         scores = scores_buffer[:math.prod(shape)].view(shape)
-        fp32_matmul(latest_first[:, :, :, N - n_past:], by_column[..., columns], out=scores)  # rows end-2 .. 0
+        fp32_matmul(latest_first[:, :, :, N - n_past:], by_column[..., columns], out=scores)
         if end - first > 1:  # the top rows, chunks first .. end-2, are not in the past of every column
             key = (end - first, shape[-1])
             if key not in biases:
