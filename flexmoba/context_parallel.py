@@ -47,7 +47,7 @@ from flexmoba.gather import (
     _GatheredMoBA,
     dense_attention,
     dense_attention_backward,
-    own_segments,
+    own_chunks,
     past_pairs,
 )
 from flexmoba.layout import ChunkLayout, chunk_layout, document_starts
@@ -235,7 +235,7 @@ def local_gather(q, k, v, selection: Selection, scale: float, query_start: int) 
         pairs = past_pairs(selection, H_kv)
         pairs = join_pairs(pairs, own_chunk_prefixes(selection, H, H_kv, query_start))
         on_grid = not layout.has_documents and query_start % layout.chunk_size == 0
-        own = None if on_grid else own_segments(selection, H, H_kv)
+        own = None if on_grid else own_chunks(selection, H, H_kv)
     return _GatheredMoBA.apply(q, k, v, pairs, own, layout.chunk_size, scale, QUERY_BLOCK, query_start)
 
 

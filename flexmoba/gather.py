@@ -8,8 +8,9 @@ gives the exact output. Two kinds of part:
   chunks sit on a fixed grid, so ``[B, H, S, D]`` is viewed as ``[B * H * n_chunks, c, D]``
   and one fused causal call covers every chunk, without copying anything; chunks of 256
   keys or more run as two causal halves plus the second half's queries over the first half
-  (the CPU kernel would compute the whole square of a chunk). With documents each chunk is
-  one causal call on views of q, k and v.
+  (the CPU kernel would compute the whole square of a chunk). With documents chunks are
+  gathered into the same ``[n, c]`` form (a document's shorter last chunk padded), so one
+  call covers them too.
 - **past chunks**, whole and wholly in the past: (query, chunk) pairs are sorted by the
   keys they read, as the official efficient kernel does. Query heads that share a KV head
   (GQA) share a chunk's pairs. At training sizes the pairs run in blocks of 768, 512, 256,
@@ -52,8 +53,8 @@ def selected_pairs(selection: Selection) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass(frozen=True)
 class Segment:
-    """One dense call: ``count`` queries from ``offset`` against keys ``[start, start + length)``
-    of KV row ``kv_row`` (``b * H_kv + kv head``); causal calls attend up to the query."""
+    """One dense call: ``count`` queries from ``offset`` (in :attr:`PastPairs.query`) against keys
+    ``[start, start + length)`` of KV row ``kv_row`` (``b * H_kv + kv head``), all of them."""
 
     offset: int
     count: int
@@ -108,26 +109,58 @@ def past_pairs(selection: Selection, kv_heads: int) -> PastPairs:
     return PastPairs(torch.div(slot, P, rounding_mode="floor") if P else slot, segments)
 
 
-def own_segments(selection: Selection, heads: int, kv_heads: int) -> list[Segment]:
-    """One causal segment per (batch, query head, chunk), for layouts with documents.
+@dataclass(frozen=True)
+class OwnChunks:
+    """The own chunks of a layout with documents, each padded to ``chunk`` rows: one item per
+    (chunk, query head), so that one causal call covers them all, as on the grid.
 
-    ``offset`` indexes the rows of ``q.reshape(B * H * S, D)``.
+    A chunk of ``L < chunk`` positions repeats its last row in the padding: a real query (place
+    ``< L``) attends only keys before it, and a padding row is a copy of a real query over copies of
+    real keys, so its results stay finite and are dropped.
+
+    Attributes:
+        query_rows: ``[n, chunk]`` rows of ``q.reshape(B * H * S, D)``.
+        key_rows: ``[n, chunk]`` rows of ``k.reshape(B * H_kv * S, D)``.
+        place: ``[B * H * S]`` each query's row in the padded ``[n * chunk]`` layout.
     """
+
+    query_rows: torch.Tensor
+    key_rows: torch.Tensor
+    place: torch.Tensor
+
+    def padded(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``x: [N, *]`` -> ``[n, 1, chunk, *]``, the rows ``rows`` (``query_rows`` or ``key_rows``)."""
+        return x.index_select(0, rows.flatten()).view(*rows.shape[:1], 1, rows.shape[1], *x.shape[1:])
+
+    def padded_zeros(self, x: torch.Tensor) -> torch.Tensor:
+        """``x: [B * H * S, *]`` per query -> ``[n, 1, chunk, *]`` with zeros in the padding rows."""
+        n, chunk = self.query_rows.shape
+        out = x.new_zeros(n * chunk, *x.shape[1:]).index_copy_(0, self.place, x)
+        return out.view(n, 1, chunk, *x.shape[1:])
+
+    def unpadded(self, x: torch.Tensor) -> torch.Tensor:
+        """``[n, 1, chunk, *]`` -> ``[B * H * S, *]`` per query."""
+        return x.reshape(-1, *x.shape[3:]).index_select(0, self.place)
+
+
+def own_chunks(selection: Selection, heads: int, kv_heads: int) -> OwnChunks:
+    """:class:`OwnChunks` of the selection's layout (a chunk is a run of one global chunk in a row)."""
     layout = selection.layout
     B, S = layout.global_chunk.shape
+    chunk, device = layout.chunk_size, layout.global_chunk.device
     is_first = torch.ones_like(layout.global_chunk, dtype=torch.bool)
     is_first[:, 1:] = layout.global_chunk[:, 1:] != layout.global_chunk[:, :-1]
-    b, start = is_first.nonzero(as_tuple=True)
-    end = torch.cat([start[1:], start.new_tensor([S])])
-    row_ends = torch.cat([b[1:] != b[:-1], torch.ones(1, dtype=torch.bool, device=b.device)])
-    end = torch.where(row_ends, S, end)
-    group = heads // kv_heads
-    segments = []
-    for b_i, s_i, e_i in zip(b.tolist(), start.tolist(), end.tolist(), strict=True):
-        for h in range(heads):
-            row = b_i * heads + h
-            segments.append(Segment(row * S + s_i, e_i - s_i, b_i * kv_heads + h // group, s_i, e_i - s_i))
-    return segments
+    run = torch.cumsum(is_first.flatten(), 0) - 1  # [B * S] each position's chunk, row after row
+    b, start = is_first.nonzero(as_tuple=True)  # [R]
+    length = torch.bincount(run, minlength=len(b))
+    place_in_run = torch.minimum(torch.arange(chunk, device=device), length[:, None] - 1)  # [R, chunk]
+    head = torch.arange(heads, device=device)
+    q_first = (b[:, None] * heads + head) * S + start[:, None]  # [R, H]
+    k_first = (b[:, None] * kv_heads + head // (heads // kv_heads)) * S + start[:, None]
+    in_run = torch.arange(S, device=device) - start[run].view(B, S)  # [B, S]
+    place = (run.view(B, 1, S) * heads + head[:, None]) * chunk + in_run[:, None, :]  # [B, H, S]
+    return OwnChunks((q_first[..., None] + place_in_run[:, None]).flatten(0, 1),
+                     (k_first[..., None] + place_in_run[:, None]).flatten(0, 1), place.flatten())
 
 
 def _fused_cpu(q: torch.Tensor) -> bool:
@@ -322,7 +355,7 @@ class _GatheredMoBA(torch.autograd.Function):
     keys ``[key_offset, key_offset + S)`` (0 and T = S unless queries sit at the end of longer keys)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, pairs: PastPairs, own: list[Segment] | None, chunk: int, scale: float, block: int,
+    def forward(ctx, q, k, v, pairs: PastPairs, own: OwnChunks | None, chunk: int, scale: float, block: int,
                 key_offset: int = 0):
         B, H, S, D = q.shape
         Dv = v.shape[-1]
@@ -433,29 +466,27 @@ def _halves(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(2 * x.shape[0], 1, x.shape[2] // 2, *x.shape[3:])
 
 
-def _grid_own_forward(q, k, v, chunk: int, scale: float):
-    """Own-chunk attention without documents: (out ``[B, H, S, Dv]``, lse ``[B, H, S]`` fp32)."""
-    B, H, S, _ = q.shape
-    group = H // k.shape[1]
-    q_c, k_c, v_c = _chunk_view(q, chunk), _chunk_view(k, chunk, group), _chunk_view(v, chunk, group)
+def _causal_chunks(q, k, v, scale: float):
+    """Causal attention inside each chunk of chunk views ``[M, 1, c, *]`` -> (out ``[M, 1, c, Dv]`` in
+    q's dtype or fp32, lse ``[M, 1, c]`` fp32)."""
+    chunk = q.shape[2]
     if not _split_own(chunk):
-        out, lse = dense_attention(q_c, k_c, v_c, True, scale)
-        return _unchunk(out, B, H, S), _unchunk(lse, B, H, S)
+        return dense_attention(q, k, v, True, scale)
     half = chunk // 2
-    out, lse = dense_attention(_halves(q_c), _halves(k_c), _halves(v_c), True, scale)
-    out = out.float().view(q_c.shape[0], 1, chunk, -1)  # merged in place below, in fp32 like every part
-    lse = lse.view(q_c.shape[0], 1, chunk)
-    cross_out, cross_lse = dense_attention(q_c[:, :, half:], k_c[:, :, :half], v_c[:, :, :half], False, scale)
+    out, lse = dense_attention(_halves(q), _halves(k), _halves(v), True, scale)
+    out = out.float().view(q.shape[0], 1, chunk, -1)  # merged in place below, in fp32 like every part
+    lse = lse.view(q.shape[0], 1, chunk)
+    cross_out, cross_lse = dense_attention(q[:, :, half:], k[:, :, :half], v[:, :, :half], False, scale)
     second = slice(half, chunk)
     merged = torch.logaddexp(lse[..., second], cross_lse)
     out[:, :, second].mul_(torch.exp(lse[..., second] - merged)[..., None])
     out[:, :, second].addcmul_(cross_out, torch.exp(cross_lse - merged)[..., None])
     lse[..., second] = merged
-    return _unchunk(out, B, H, S), _unchunk(lse, B, H, S)
+    return out, lse
 
 
-def _grid_own_backward(grad_out, q, k, v, out, lse, scale: float):
-    """Gradients of :func:`_grid_own_forward` in chunk views (``[M, 1, c, *]``, lse ``[M, 1, c]``)."""
+def _causal_chunks_backward(grad_out, q, k, v, out, lse, scale: float):
+    """Gradients of :func:`_causal_chunks` (chunk views ``[M, 1, c, *]``, lse ``[M, 1, c]``)."""
     if not _split_own(q.shape[2]):
         return dense_attention_backward(grad_out, q, k, v, out, lse, True, scale)
     half = q.shape[2] // 2
@@ -471,47 +502,41 @@ def _grid_own_backward(grad_out, q, k, v, out, lse, scale: float):
     return dq, dk, dv
 
 
-def _own_forward(q, k, v, own: list[Segment] | None, chunk: int, scale: float):
-    """Own-chunk attention: (out ``[B, H, S, Dv]`` in q's dtype or fp32, lse ``[B, H, S]`` fp32)."""
+def _own_forward(q, k, v, own: OwnChunks | None, chunk: int, scale: float):
+    """Own-chunk attention: (out ``[B, H, S, Dv]`` in q's dtype or fp32, lse ``[B, H, S]`` fp32);
+    ``own``: the padded chunks of a layout with documents, None on the grid."""
     B, H, S, D = q.shape
     H_kv, Dv = k.shape[1], v.shape[-1]
     if own is None:
-        return _grid_own_forward(q, k, v, chunk, scale)
-    q_rows, k_rows, v_rows = q.reshape(-1, D), k.reshape(B * H_kv, S, D), v.reshape(B * H_kv, S, Dv)
-    out = q.new_empty(B * H * S, Dv)
-    lse = torch.empty(B * H * S, device=q.device)
-    for seg in own:
-        rows = slice(seg.offset, seg.offset + seg.count)
-        seg_out, seg_lse = dense_attention(q_rows[rows][None, None], *_keys(k_rows, v_rows, seg), True, scale)
-        out[rows], lse[rows] = seg_out[0, 0], seg_lse[0, 0]
-    return out.view(B, H, S, Dv), lse.view(B, H, S)
+        group = H // H_kv
+        out, lse = _causal_chunks(_chunk_view(q, chunk), _chunk_view(k, chunk, group), _chunk_view(v, chunk, group),
+                                  scale)
+        return _unchunk(out, B, H, S), _unchunk(lse, B, H, S)
+    out, lse = _causal_chunks(own.padded(q.reshape(-1, D), own.query_rows), own.padded(k.reshape(-1, D), own.key_rows),
+                              own.padded(v.reshape(-1, Dv), own.key_rows), scale)
+    return own.unpadded(out).view(B, H, S, Dv), own.unpadded(lse[..., None]).view(B, H, S)
 
 
-def _own_backward(grad_out, q, k, v, out, lse, own: list[Segment] | None, chunk: int, scale: float):
+def _own_backward(grad_out, q, k, v, out, lse, own: OwnChunks | None, chunk: int, scale: float):
     """Own-chunk gradients ``(dq, dk, dv)`` given the merged ``out`` and ``lse``."""
     B, H, S, D = q.shape
     H_kv, Dv = k.shape[1], v.shape[-1]
     group = H // H_kv
     if own is None:
-        dq, dk, dv = _grid_own_backward(
+        dq, dk, dv = _causal_chunks_backward(
             _chunk_view(grad_out, chunk), _chunk_view(q, chunk), _chunk_view(k, chunk, group),
             _chunk_view(v, chunk, group), _chunk_view(out, chunk), _chunk_view(lse[..., None], chunk)[..., 0], scale)
         dk = _unchunk(dk, B, H, S).reshape(B, H_kv, group, S, D).sum(2)
         dv = _unchunk(dv, B, H, S).reshape(B, H_kv, group, S, Dv).sum(2)
         return _unchunk(dq, B, H, S).contiguous(), dk.contiguous(), dv.contiguous()
-    q_rows, k_rows, v_rows = q.reshape(-1, D), k.reshape(B * H_kv, S, D), v.reshape(B * H_kv, S, Dv)
-    g_rows, o_rows, l_rows = grad_out.reshape(-1, Dv), out.reshape(-1, Dv), lse.reshape(-1)
-    dq, dk, dv = torch.zeros_like(q_rows), torch.zeros_like(k_rows), torch.zeros_like(v_rows)
-    for seg in own:
-        rows = slice(seg.offset, seg.offset + seg.count)
-        keys = slice(seg.start, seg.start + seg.length)
-        dq_s, dk_s, dv_s = dense_attention_backward(
-            g_rows[rows][None, None], q_rows[rows][None, None], *_keys(k_rows, v_rows, seg),
-            o_rows[rows][None, None], l_rows[rows][None, None], True, scale)
-        dq[rows] = dq_s[0, 0]
-        dk[seg.kv_row, keys] += dk_s[0, 0]
-        dv[seg.kv_row, keys] += dv_s[0, 0]
-    return dq.view_as(q), dk.view_as(k), dv.view_as(v)
+    rows, keys = own.query_rows, own.key_rows
+    dq, dk, dv = _causal_chunks_backward(
+        own.padded_zeros(grad_out.reshape(-1, Dv)), own.padded(q.reshape(-1, D), rows),
+        own.padded(k.reshape(-1, D), keys), own.padded(v.reshape(-1, Dv), keys), own.padded(out.reshape(-1, Dv), rows),
+        own.padded(lse.reshape(-1, 1), rows)[..., 0], scale)
+    dk = k.new_zeros(B * H_kv * S, D).index_add_(0, keys.flatten(), dk.reshape(-1, D))
+    dv = v.new_zeros(B * H_kv * S, Dv).index_add_(0, keys.flatten(), dv.reshape(-1, Dv))
+    return own.unpadded(dq).view_as(q), dk.view(B, H_kv, S, D), dv.view(B, H_kv, S, Dv)
 
 
 def merge_into(out, lse, query, part_out, part_lse) -> None:
@@ -563,5 +588,5 @@ def gather_moba_attention(
     scale = validation.softmax_scale(scale, q)
     with torch.no_grad():
         pairs = past_pairs(selection, k.shape[1])
-        own = own_segments(selection, q.shape[1], k.shape[1]) if selection.layout.has_documents else None
+        own = own_chunks(selection, q.shape[1], k.shape[1]) if selection.layout.has_documents else None
     return _GatheredMoBA.apply(q, k, v, pairs, own, selection.layout.chunk_size, scale, query_block)

@@ -79,3 +79,30 @@ def test_pair_blocks_hold_every_past_pair_once_and_pad_with_their_segment(proble
             sizes.append((R, n_blocks))
     assert row == len(blocks.query_of_row) and key == len(blocks.key_of_row)
     assert blocks.sizes == tuple(sizes)
+
+
+def test_padded_own_chunks_of_documents_keep_large_logits_finite_and_exact():
+    """With documents, own chunks are padded to a whole chunk and run as one causal call. A short last
+    chunk's padding rows must carry finite results even where logits are far above 88 (exp overflows
+    fp32), or 0 * inf would reach dk and dv; the gradients equal the reference's."""
+    generator = torch.Generator().manual_seed(3)
+    B, H, H_kv, S, D, chunk = 2, 4, 2, 40, 8, 8
+    q, k, v = (torch.randn(B, heads, S, D, generator=generator) for heads in (H, H_kv, H_kv))
+    q, k = q * 12, k * 12  # logits of several hundred
+    document_ids = torch.zeros(B, S, dtype=torch.long)
+    document_ids[:, 11:] = 1  # row 0: chunks of 8 and 3 positions, then of 8, 8, 8 and 5
+    document_ids[1, 29:] = 2  # row 1: 8 and 3, then 8, 8 and 2, then 8 and 3
+    grad_out = torch.randn(q.shape, generator=generator)
+    kwargs = dict(chunk_size=chunk, top_k=2, document_ids=document_ids)
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    selection = select_chunks(inputs[0], inputs[1], **kwargs)
+    assert selection.layout.has_documents
+    out = gather.gather_moba_attention(*inputs, selection)
+    got = torch.autograd.grad((out * grad_out).sum(), inputs)
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = moba_reference(*inputs, **kwargs)
+    expected = torch.autograd.grad((ref * grad_out).sum(), inputs)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    for g, e in zip(got, expected, strict=True):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, e, atol=1e-3, rtol=1e-4)
