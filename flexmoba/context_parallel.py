@@ -39,7 +39,7 @@ from flexmoba import validation
 from flexmoba.backends import needs_grad
 from flexmoba.compiled_flex import active_flex_attention, custom_flex_attention, flex_trains_on, needs_sink
 from flexmoba.flex_plan import plan_from_selection
-from flexmoba.gate import Selection, gate_rows, gate_scores, select_past_chunks
+from flexmoba.gate import Selection, chunk_means, gate_rows, select_past_chunks_in_documents
 from flexmoba.gather import (
     QUERY_BLOCK,
     PastPairs,
@@ -189,9 +189,9 @@ def local_moba_selection(q: torch.Tensor, k: torch.Tensor, spec: MobaSpec, query
     key_layout = chunk_layout(B, T, spec.chunk_size, q.device, document_ids)
     layout = layout_rows(key_layout, query_start, S)
     with torch.no_grad():
-        rows, own, _ = gate_rows(q.detach(), layout, "token")
-        scores = gate_scores(rows, k.detach(), layout, key_layout=key_layout)
-        past_chunks, past_valid = select_past_chunks(scores, own, spec.top_k)
+        rows, _, _ = gate_rows(q.detach(), layout, "token")
+        means = chunk_means(k.detach(), key_layout)
+        past_chunks, past_valid = select_past_chunks_in_documents(rows, means, layout, spec.top_k)
     return Selection(past_chunks, past_valid, layout)
 
 

@@ -133,23 +133,6 @@ def scores_against_means(rows: torch.Tensor, means: torch.Tensor) -> torch.Tenso
     return scores.view(B, H, R, N)
 
 
-def gate_scores(rows: torch.Tensor, k: torch.Tensor, layout: ChunkLayout,
-                key_layout: ChunkLayout | None = None) -> torch.Tensor:
-    """``rows: [B, H, R, D]`` -> ``[B, H, R, n_chunks]`` fp32: row . mean key of each chunk of its document.
-
-    With documents, rows are tokens (R = S). ``key_layout``: the layout of k's positions when
-    it is not ``layout`` (queries that are a slice of the keys' positions).
-    """
-    B, H, R, D = rows.shape
-    scores = scores_against_means(rows, chunk_means(k, layout if key_layout is None else key_layout))
-    if not layout.has_documents:
-        return scores
-    # Rebase global chunk indices on each query's own document.
-    local = torch.arange(layout.n_chunks, device=rows.device)
-    index = (layout.first_global_chunk[:, :, None] + local).clamp(max=layout.n_global_chunks - 1)
-    return scores.gather(-1, index[:, None].expand(B, H, R, layout.n_chunks))
-
-
 def tie_broken_keys(scores: torch.Tensor) -> torch.Tensor:
     """``[..., n_chunks]`` fp32 scores (no NaN) -> int64 keys in the same order, all distinct.
 
@@ -235,6 +218,36 @@ def select_past_chunks_on_grid(
                      ranks[..., :taken, columns], maxima[..., :taken, columns])
     per_head = lambda x: x.view(B, H, P, R).transpose(-1, -2)  # noqa: E731
     return per_head(ranks.sub_(1).long()), per_head(maxima > float("-inf"))
+
+
+def select_past_chunks_in_documents(
+    rows: torch.Tensor, means: torch.Tensor, layout: ChunkLayout, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`select_past_chunks` for one row per position of a layout with documents, with no sort keys.
+
+    ``rows: [B, H, S, D]`` fp32 score against the means ``[B, H_kv, N, D]`` of the row's chunks
+    (global indices; ``layout`` may be a slice of the keys' rows, as in context parallelism). A
+    position's candidates are the chunks of its document before its own: a -inf bias elsewhere.
+    Scored latest first, the maxima come as on the grid (the later chunk wins a tie), and are
+    rebased on each document's first chunk. Returns ``(indices, valid)``, each ``[B, H, S, P]`` with
+    ``P = min(top_k - 1, n_chunks - 1)``.
+    """
+    B, H, S, D = rows.shape
+    H_kv, N = means.shape[1], means.shape[2]
+    P = min(top_k - 1, layout.n_chunks - 1)
+    if P == 0:
+        return rows.new_zeros(B, H, S, 0, dtype=torch.long), rows.new_zeros(B, H, S, 0, dtype=torch.bool)
+    by_column = rows.reshape(B, H_kv, (H // H_kv) * S, D).transpose(-1, -2)
+    scores = fp32_matmul(means.flip(2), by_column)  # [B, H_kv, N, g * S], row i: chunk N - 1 - i
+    chunk = torch.arange(N - 1, -1, -1, device=rows.device)[:, None]
+    past = (chunk >= layout.first_global_chunk[:, None, :]) & (chunk < layout.global_chunk[:, None, :])  # [B, N, S]
+    bias = torch.zeros(past.shape, device=rows.device).masked_fill_(~past, float("-inf"))
+    scores.view(B, H_kv, N, H // H_kv, S).add_(bias[:, None, :, None])
+    scores.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))  # inf - inf: not past
+    indices, valid = _latest_first_maxima(scores, P)  # [B, H_kv, P, g * S]
+    per_head = lambda x: x.view(B, H_kv, P, H // H_kv, S).permute(0, 1, 3, 4, 2).reshape(B, H, S, P)  # noqa: E731
+    local = per_head(indices) - layout.first_global_chunk[:, None, :, None]
+    return local.clamp_(0, layout.n_chunks - 1), per_head(valid)
 
 
 def _not_past_bias(n_rows: int, n_columns: int, rows_per_chunk: int, device) -> torch.Tensor:
@@ -376,7 +389,8 @@ def select_chunks(
     with torch.no_grad():
         rows, own, positions_per_row = gate_rows(q.detach(), layout, granularity)
         if layout.has_documents:
-            past_chunks, past_valid = select_past_chunks(gate_scores(rows, k.detach(), layout), own, top_k)
+            past_chunks, past_valid = select_past_chunks_in_documents(rows, chunk_means(k.detach(), layout), layout,
+                                                                      top_k)
         else:
             past_chunks, past_valid = select_past_chunks_on_grid(
                 rows, chunk_means(k.detach(), layout), chunk_size // positions_per_row, top_k)

@@ -139,6 +139,24 @@ def test_tied_gate_scores_decode_equals_oracle_on_both_maxima_paths(few_scores, 
     torch.testing.assert_close(decode_in_pieces(q, k, v, 8, 3, [1] * 44), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("few_scores", [0, 2**62], ids=["amax_passes", "max_indices"])
+@given(tied_problems())
+def test_tied_gate_scores_with_documents_equal_oracle_on_both_maxima_paths(few_scores, problem):
+    """With documents the gate scores every chunk of a row latest first, a -inf bias off each query's
+    document past, and takes maxima like decoding's gate: by ``max`` with indices on few scores, by
+    ``amax`` over ranked rows on many. Small problems only reach the first, so each is forced here."""
+    B, S = problem.q.shape[0], problem.q.shape[2]
+    ids = problem.document_ids if problem.document_ids is not None else torch.zeros(B, S, dtype=torch.long)
+    kwargs = {**problem.kwargs, "document_ids": ids}
+    original = gate.FEW_SCORES
+    gate.FEW_SCORES = few_scores  # hypothesis runs many examples per test call: no monkeypatch fixture
+    try:
+        mask = dense_moba_mask(select_chunks(problem.q, problem.k, **kwargs))
+    finally:
+        gate.FEW_SCORES = original
+    assert torch.equal(mask, oracle.dense_mask(problem.q, problem.k, **kwargs)), problem
+
+
 @given(tied_problems())
 def test_tied_gate_scores_flex_plan_equals_oracle(problem):
     torch.testing.assert_close(eager_flex_plan_out(problem).double(), oracle_out(problem), atol=1e-5, rtol=1e-5)

@@ -32,7 +32,7 @@ SUBCOMMANDS = {
     "retrieval": ("lit.experiments.retrieval", "needle-retrieval evaluation of a checkpoint"),
     "generate": ("lit.cli.generate", "sample bytes from a checkpoint with MoBA KV-cache decoding"),
     "export-hf": ("lit.cli.export_hf", "write a Hugging Face LlamaForCausalLM folder from a checkpoint"),
-    "bench": ("benchmarks", "run a benchmark: flexmoba bench {attention,decode,mask_build,...} --help"),
+    "bench": ("benchmarks", "run a benchmark: flexmoba bench {attention,decode,documents,mask_build,...} --help"),
 }
 
 
@@ -45,7 +45,7 @@ def usage() -> str:
 
 def run_benchmark(argv: list[str]) -> None:
     if not argv or argv[0].startswith("-"):
-        fail("bench: name a benchmark: attention, decode, mask_build, train_step, union_density, gpu_check")
+        fail("bench: name a benchmark: attention, decode, documents, mask_build, train_step, union_density, gpu_check")
     checkout = Path(__file__).resolve().parents[2]
     if not (checkout / "benchmarks").is_dir():
         fail("bench: the benchmarks run from a checkout of the repository (benchmarks/ is not installed)")
