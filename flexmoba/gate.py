@@ -226,28 +226,53 @@ def select_past_chunks_in_documents(
     """:func:`select_past_chunks` for one row per position of a layout with documents, with no sort keys.
 
     ``rows: [B, H, S, D]`` fp32 score against the means ``[B, H_kv, N, D]`` of the row's chunks
-    (global indices; ``layout`` may be a slice of the keys' rows, as in context parallelism). A
-    position's candidates are the chunks of its document before its own: a -inf bias elsewhere.
-    Scored latest first, the maxima come as on the grid (the later chunk wins a tie), and are
-    rebased on each document's first chunk. Returns ``(indices, valid)``, each ``[B, H, S, P]`` with
+    (global indices; ``layout`` may be a slice of the keys' rows, as in context parallelism).
+    Positions go in spans (:func:`document_spans`), each scored against the chunks that some
+    position of the span may select, latest first, with a -inf bias off each position's document
+    past; the maxima come as on the grid (the later chunk wins a tie) and are rebased on each
+    document's first chunk. Returns ``(indices, valid)``, each ``[B, H, S, P]`` with
     ``P = min(top_k - 1, n_chunks - 1)``.
     """
     B, H, S, D = rows.shape
     H_kv, N = means.shape[1], means.shape[2]
     P = min(top_k - 1, layout.n_chunks - 1)
-    if P == 0:
-        return rows.new_zeros(B, H, S, 0, dtype=torch.long), rows.new_zeros(B, H, S, 0, dtype=torch.bool)
-    by_column = rows.reshape(B, H_kv, (H // H_kv) * S, D).transpose(-1, -2)
-    scores = fp32_matmul(means.flip(2), by_column)  # [B, H_kv, N, g * S], row i: chunk N - 1 - i
-    chunk = torch.arange(N - 1, -1, -1, device=rows.device)[:, None]
-    past = (chunk >= layout.first_global_chunk[:, None, :]) & (chunk < layout.global_chunk[:, None, :])  # [B, N, S]
-    bias = torch.zeros(past.shape, device=rows.device).masked_fill_(~past, float("-inf"))
-    scores.view(B, H_kv, N, H // H_kv, S).add_(bias[:, None, :, None])
-    scores.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))  # inf - inf: not past
-    indices, valid = _latest_first_maxima(scores, P)  # [B, H_kv, P, g * S]
-    per_head = lambda x: x.view(B, H_kv, P, H // H_kv, S).permute(0, 1, 3, 4, 2).reshape(B, H, S, P)  # noqa: E731
-    local = per_head(indices) - layout.first_global_chunk[:, None, :, None]
-    return local.clamp_(0, layout.n_chunks - 1), per_head(valid)
+    indices = rows.new_zeros(B, H_kv, H // H_kv, P, S, dtype=torch.long)
+    valid = rows.new_zeros(B, H_kv, H // H_kv, P, S, dtype=torch.bool)
+    by_column = rows.view(B, H_kv, H // H_kv, S, D).transpose(-1, -2)  # [B, H_kv, g, D, S], a view
+    latest_first = means.flip(2)[:, :, None]  # [B, H_kv, 1, N, D]: row i is chunk N-1-i
+    first, own = layout.first_global_chunk, layout.global_chunk
+    for start, end, low, high in document_spans(layout, H, N) if P else []:
+        columns = slice(start, end)
+        scores = fp32_matmul(latest_first[:, :, :, N - high:N - low], by_column[..., columns])  # [B, H_kv, g, n, c]
+        chunk = torch.arange(high - 1, low - 1, -1, device=rows.device)[:, None]
+        past = (chunk >= first[:, None, columns]) & (chunk < own[:, None, columns])  # [B, n, c]
+        scores.add_(torch.zeros(past.shape, device=rows.device).masked_fill_(~past, float("-inf"))[:, None, None])
+        scores.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))  # inf - inf: not past
+        taken = min(P, high - low)
+        chunks, chosen = _latest_first_maxima(scores, taken)
+        indices[..., :taken, columns] = chunks + low
+        valid[..., :taken, columns] = chosen
+    per_head = lambda x: x.view(B, H, P, S).transpose(-1, -2)  # noqa: E731
+    local = per_head(indices) - first[:, None, :, None]
+    return local.clamp_(0, max(layout.n_chunks - 1, 0)), per_head(valid)
+
+
+def document_spans(layout: ChunkLayout, heads: int, n_global: int) -> list[tuple[int, int, int, int]]:
+    """``[(start, end, low, high), ...]``: positions ``[start, end)`` in consecutive spans, and the
+    global chunks ``[low, high)`` any of them may select (from the first chunk of the span's first
+    document to the last position's own chunk, over the batch; both never decrease along a row).
+    As many spans as the causal part of the scores is worth (see :func:`query_chunk_groups`), on CPU;
+    elsewhere one span of every chunk, as the bounds would take a host read (a device sync)."""
+    B, S = layout.global_chunk.shape
+    if layout.global_chunk.device.type != "cpu":
+        return [(0, S, 0, n_global)]
+    n_spans = min(MAX_QUERY_GROUPS, S, max(1, round(math.sqrt(B * heads * S * n_global / 2 / GROUP_SCORES))))
+    bounds = [S * i // n_spans for i in range(n_spans + 1)]
+    starts = torch.tensor(bounds[:-1], device=layout.global_chunk.device)
+    low = layout.first_global_chunk[:, starts].amin(0)
+    high = layout.global_chunk[:, starts.new_tensor(bounds[1:]) - 1].amax(0)
+    spans = zip(bounds[:-1], bounds[1:], *torch.stack([low, high]).tolist(), strict=True)
+    return [(start, end, lo, hi) for start, end, lo, hi in spans if hi > lo and end > start]
 
 
 def _not_past_bias(n_rows: int, n_columns: int, rows_per_chunk: int, device) -> torch.Tensor:

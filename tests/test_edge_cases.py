@@ -139,21 +139,30 @@ def test_tied_gate_scores_decode_equals_oracle_on_both_maxima_paths(few_scores, 
     torch.testing.assert_close(decode_in_pieces(q, k, v, 8, 3, [1] * 44), expected, atol=1e-5, rtol=1e-5)
 
 
+def every_chunk_span(layout, heads, n_global):
+    """The GPU's spans with documents: every position against every chunk (bounds need a host read)."""
+    return [(0, layout.global_chunk.shape[1], 0, n_global)]
+
+
+@pytest.mark.parametrize("spans", [gate.document_spans, every_chunk_span], ids=["cpu_spans", "every_chunk"])
 @pytest.mark.parametrize("few_scores", [0, 2**62], ids=["amax_passes", "max_indices"])
 @given(tied_problems())
-def test_tied_gate_scores_with_documents_equal_oracle_on_both_maxima_paths(few_scores, problem):
-    """With documents the gate scores every chunk of a row latest first, a -inf bias off each query's
-    document past, and takes maxima like decoding's gate: by ``max`` with indices on few scores, by
-    ``amax`` over ranked rows on many. Small problems only reach the first, so each is forced here."""
+def test_tied_gate_scores_with_documents_equal_oracle_on_both_maxima_paths(spans, few_scores, problem):
+    """With documents the gate scores spans of positions against the chunks they may select, latest
+    first, a -inf bias off each position's document past, and takes maxima like decoding's gate: by
+    ``max`` with indices on few scores, by ``amax`` over ranked rows on many. Small problems only
+    reach the first, so each is forced here; so are many spans (small problems fill one) and the one
+    span other devices use."""
     B, S = problem.q.shape[0], problem.q.shape[2]
     ids = problem.document_ids if problem.document_ids is not None else torch.zeros(B, S, dtype=torch.long)
     kwargs = {**problem.kwargs, "document_ids": ids}
-    original = gate.FEW_SCORES
-    gate.FEW_SCORES = few_scores  # hypothesis runs many examples per test call: no monkeypatch fixture
+    original = gate.FEW_SCORES, gate.document_spans, gate.GROUP_SCORES
+    # hypothesis runs many examples per test call: no monkeypatch fixture
+    gate.FEW_SCORES, gate.document_spans, gate.GROUP_SCORES = few_scores, spans, 1
     try:
         mask = dense_moba_mask(select_chunks(problem.q, problem.k, **kwargs))
     finally:
-        gate.FEW_SCORES = original
+        gate.FEW_SCORES, gate.document_spans, gate.GROUP_SCORES = original
     assert torch.equal(mask, oracle.dense_mask(problem.q, problem.k, **kwargs)), problem
 
 
