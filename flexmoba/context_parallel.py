@@ -39,7 +39,7 @@ from flexmoba import validation
 from flexmoba.backends import needs_grad
 from flexmoba.compiled_flex import active_flex_attention, custom_flex_attention, flex_trains_on, needs_sink
 from flexmoba.flex_plan import plan_from_selection
-from flexmoba.gate import Selection, chunk_means, gate_rows, select_past_chunks_in_documents
+from flexmoba.gate import Selection, chunk_means, gate_rows, select_past_chunks
 from flexmoba.gather import (
     QUERY_BLOCK,
     PastPairs,
@@ -191,7 +191,8 @@ def local_moba_selection(q: torch.Tensor, k: torch.Tensor, spec: MobaSpec, query
     with torch.no_grad():
         rows, _, _ = gate_rows(q.detach(), layout, "token")
         means = chunk_means(k.detach(), key_layout)
-        past_chunks, past_valid = select_past_chunks_in_documents(rows, means, layout, spec.top_k)
+        past_chunks, past_valid = select_past_chunks(rows, means, layout.global_chunk, spec.top_k, layout.n_chunks,
+                                                     first=layout.first_global_chunk)
     return Selection(past_chunks, past_valid, layout)
 
 

@@ -121,46 +121,6 @@ def gate_rows(q: torch.Tensor, layout: ChunkLayout, granularity) -> tuple[torch.
     return rows, own, granularity
 
 
-def scores_against_means(rows: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
-    """``rows: [B, H, R, D]`` fp32 . ``means: [B, H_kv, N, D]`` -> ``[B, H, R, N]``.
-
-    Query head h gates against KV head ``h // (H / H_kv)``, as in GQA. fp32 under autocast too,
-    which would run the product in bf16 (and break the tie-breaking keys' fp32 bit view).
-    """
-    B, H, R, D = rows.shape
-    H_kv, N = means.shape[1], means.shape[2]
-    scores = fp32_matmul(rows.reshape(B, H_kv, (H // H_kv) * R, D), means.transpose(-1, -2))  # per KV head
-    return scores.view(B, H, R, N)
-
-
-def tie_broken_keys(scores: torch.Tensor) -> torch.Tensor:
-    """``[..., n_chunks]`` fp32 scores (no NaN) -> int64 keys in the same order, all distinct.
-
-    Among exactly equal scores the later chunk gets the larger key. ``torch.topk`` leaves
-    the order of ties to its algorithm (on CPU it changes with the row length), so keys
-    that never tie make the selection one deterministic rule on every path and device.
-    """
-    n_chunks = scores.shape[-1]
-    scores = scores.masked_fill(scores == 0, 0.0)  # -0.0 and 0.0 are one score; their bits differ
-    bits = scores.contiguous().view(torch.int32).long()
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # IEEE order as integer order
-    return ordered * n_chunks + torch.arange(n_chunks, device=scores.device)
-
-
-def select_past_chunks(scores: torch.Tensor, own: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top ``top_k - 1`` chunks before ``own: [B, R]`` per row of ``scores: [B, H, R, n_chunks]``.
-
-    Exact ties go to the later (higher-index) chunk, see :func:`tie_broken_keys`.
-    Returns ``(indices, valid)``, each ``[B, H, R, P]`` with ``P = min(top_k - 1, n_chunks - 1)``.
-    """
-    n_chunks = scores.shape[-1]
-    local = torch.arange(n_chunks, device=scores.device)
-    eligible = (local < own[:, None, :, None]) & ~torch.isnan(scores)
-    scores = scores.masked_fill(~eligible, float("-inf"))
-    indices = tie_broken_keys(scores).topk(min(top_k - 1, n_chunks - 1), dim=-1).indices
-    return indices, scores.gather(-1, indices) > float("-inf")
-
-
 # Query chunks scored together against one block of candidate chunks. g groups compute the causal
 # part of the scores and about 1/g of it again; each group costs a fixed run of small calls, so the
 # best g grows as the square root of the work: sqrt(causal scores / GROUP_SCORES), at most
@@ -181,7 +141,7 @@ def select_past_chunks_on_grid(
     rows: torch.Tensor, means: torch.Tensor, rows_per_chunk: int, top_k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`select_past_chunks` for a layout without documents, where row r's own chunk is
-    ``r // rows_per_chunk``: only the causal part of the scores is computed, and no sort keys.
+    ``r // rows_per_chunk``: groups of whole query chunks, no bias beyond their top rows.
 
     ``rows: [B, H, R, D]`` fp32, ``means: [B, H_kv, N, D]`` fp32. Each group of query chunks
     scores its past chunks latest first, so the first maximum ``max`` returns is the later
@@ -220,59 +180,91 @@ def select_past_chunks_on_grid(
     return per_head(ranks.sub_(1).long()), per_head(maxima > float("-inf"))
 
 
-def select_past_chunks_in_documents(
-    rows: torch.Tensor, means: torch.Tensor, layout: ChunkLayout, top_k: int
+def select_past_chunks(
+    rows: torch.Tensor, means: torch.Tensor, own: torch.Tensor, top_k: int, n_chunks: int,
+    first: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`select_past_chunks` for one row per position of a layout with documents, with no sort keys.
+    """The top ``top_k - 1`` chunks in ``[first, own)`` of each position: documents, context
+    parallelism, decoding's multi-query steps (the grid's gate is :func:`select_past_chunks_on_grid`).
 
-    ``rows: [B, H, S, D]`` fp32 score against the means ``[B, H_kv, N, D]`` of the row's chunks
-    (global indices; ``layout`` may be a slice of the keys' rows, as in context parallelism).
-    Positions go in spans (:func:`document_spans`), each scored against the chunks that some
-    position of the span may select, latest first, with a -inf bias off each position's document
-    past; the maxima come as on the grid (the later chunk wins a tie) and are rebased on each
-    document's first chunk. Returns ``(indices, valid)``, each ``[B, H, S, P]`` with
-    ``P = min(top_k - 1, n_chunks - 1)``.
+    ``rows: [B, H, S, D]`` fp32 score against ``means: [B, H_kv, N, D]``; ``own, first: [B, S]``
+    index those means (the position's own chunk and its document's first, None: 0); ``n_chunks``
+    bounds the chunks of one document. Positions go in spans (:func:`position_spans`), each scored
+    against the chunks some position of it may select, latest first, with a -inf bias off each
+    position's ``[first, own)``; the maxima come as on the grid (exact ties go to the later chunk, a
+    NaN or -inf score is never selected). Returns ``(indices, valid)``, each ``[B, H, S, P]`` with
+    ``P = min(top_k - 1, n_chunks - 1)``, indices counted from ``first``.
     """
     B, H, S, D = rows.shape
     H_kv, N = means.shape[1], means.shape[2]
-    P = min(top_k - 1, layout.n_chunks - 1)
-    indices = rows.new_zeros(B, H_kv, H // H_kv, P, S, dtype=torch.long)
-    valid = rows.new_zeros(B, H_kv, H // H_kv, P, S, dtype=torch.bool)
-    by_column = rows.view(B, H_kv, H // H_kv, S, D).transpose(-1, -2)  # [B, H_kv, g, D, S], a view
-    latest_first = means.flip(2)[:, :, None]  # [B, H_kv, 1, N, D]: row i is chunk N-1-i
-    first, own = layout.first_global_chunk, layout.global_chunk
-    for start, end, low, high in document_spans(layout, H, N) if P else []:
-        columns = slice(start, end)
-        scores = fp32_matmul(latest_first[:, :, :, N - high:N - low], by_column[..., columns])  # [B, H_kv, g, n, c]
-        chunk = torch.arange(high - 1, low - 1, -1, device=rows.device)[:, None]
-        past = (chunk >= first[:, None, columns]) & (chunk < own[:, None, columns])  # [B, n, c]
-        scores.add_(torch.zeros(past.shape, device=rows.device).masked_fill_(~past, float("-inf"))[:, None, None])
+    P = min(top_k - 1, n_chunks - 1)
+    rows = rows.contiguous()  # viewed per KV head below
+    latest_first = means.flip(2)  # [B, H_kv, N, D]: row i is chunk N-1-i
+    spans = position_spans(own, H, N, first) if P else []
+    parts = [(slice(start, end), *_span_maxima(latest_first, rows, start, end, own, first, low, high, P))
+             for start, end, low, high in spans]
+    if len(parts) == 1 and spans[0][:2] == (0, S) and parts[0][1].shape[-2] == P:
+        indices, valid = parts[0][1:]  # one span of every position and slot: no buffers
+    else:
+        indices = rows.new_zeros(B, H_kv, H // H_kv, P, S, dtype=torch.long)
+        valid = rows.new_zeros(B, H_kv, H // H_kv, P, S, dtype=torch.bool)
+        for columns, chunks, chosen in parts:
+            indices[..., :chunks.shape[-2], columns] = chunks
+            valid[..., :chosen.shape[-2], columns] = chosen
+    per_head = lambda x: x.reshape(B, H, P, S).transpose(-1, -2).contiguous()  # noqa: E731
+    if first is None:
+        return per_head(indices), per_head(valid)
+    return (per_head(indices) - first[:, None, :, None]).clamp_(0, max(n_chunks - 1, 0)), per_head(valid)
+
+
+def _span_maxima(latest_first, rows, start: int, end: int, own, first, low: int, high: int, count: int):
+    """The best ``min(count, high - low)`` chunks in ``[low, high)`` of positions ``[start, end)`` as
+    ``(global chunk, valid)``, each ``[B, H_kv, g, taken, end - start]``, under a -inf bias off each
+    position's ``[first, own)`` (``rows: [B, H, S, D]``, ``latest_first: [B, H_kv, N, D]``)."""
+    B, H, S, D = rows.shape
+    H_kv, N = latest_first.shape[1], latest_first.shape[2]
+    g, n, columns = H // H_kv, high - low, slice(start, end)
+    candidates = latest_first[:, :, N - high:N - low]
+    if (start, end) == (0, S):  # every position: one product per KV head, chunks x (head in group, position)
+        scores = fp32_matmul(candidates, rows.view(B, H_kv, g * S, D).transpose(-1, -2))  # [B, H_kv, n, g * S]
+        per_column = scores.view(B, H_kv, n, g, S)
+    else:
+        by_column = rows.view(B, H_kv, g, S, D)[:, :, :, columns].transpose(-1, -2)  # [B, H_kv, g, D, c], a view
+        scores = per_column = fp32_matmul(candidates[:, :, None], by_column)  # [B, H_kv, g, n, c]
+    chunk = torch.arange(high - 1, low - 1, -1, device=scores.device)[:, None]
+    past = chunk < own[:, None, columns]  # [B, n, c]
+    if first is not None:
+        past &= chunk >= first[:, None, columns]
+    not_past = ~(past[:, None, :, None] if per_column is not scores else past[:, None, None])
+    if scores.numel() <= FEW_SCORES:  # few scores: fewer ops
+        per_column.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+        per_column.masked_fill_(not_past, float("-inf"))
+    else:  # a masked fill of many scores costs more than adding a bias
+        per_column.add_(torch.zeros(not_past.shape, device=scores.device).masked_fill_(not_past, float("-inf")))
         scores.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))  # inf - inf: not past
-        taken = min(P, high - low)
-        chunks, chosen = _latest_first_maxima(scores, taken)
-        indices[..., :taken, columns] = chunks + low
-        valid[..., :taken, columns] = chosen
-    per_head = lambda x: x.view(B, H, P, S).transpose(-1, -2)  # noqa: E731
-    local = per_head(indices) - first[:, None, :, None]
-    return local.clamp_(0, max(layout.n_chunks - 1, 0)), per_head(valid)
+    chunks, valid = _latest_first_maxima(scores, min(count, n))
+    if per_column is not scores:  # [B, H_kv, taken, g * S] -> [B, H_kv, g, taken, S]
+        chunks, valid = (x.view(B, H_kv, -1, g, S).transpose(2, 3) for x in (chunks, valid))
+    return chunks.add(low) if low else chunks, valid
 
 
-def document_spans(layout: ChunkLayout, heads: int, n_global: int) -> list[tuple[int, int, int, int]]:
+def position_spans(own: torch.Tensor, heads: int, n_global: int,
+                   first: torch.Tensor | None = None) -> list[tuple[int, int, int, int]]:
     """``[(start, end, low, high), ...]``: positions ``[start, end)`` in consecutive spans, and the
-    global chunks ``[low, high)`` any of them may select (from the first chunk of the span's first
-    document to the last position's own chunk, over the batch; both never decrease along a row).
-    As many spans as the causal part of the scores is worth (see :func:`query_chunk_groups`), on CPU;
-    elsewhere one span of every chunk, as the bounds would take a host read (a device sync)."""
-    B, S = layout.global_chunk.shape
-    if layout.global_chunk.device.type != "cpu":
-        return [(0, S, 0, n_global)]
+    chunks ``[low, high)`` any of them may select (``own, first: [B, S]``, over the batch; ``first``
+    None: 0). As many spans as the causal part of the scores is worth (see
+    :func:`query_chunk_groups`), on CPU; elsewhere, and when one span is worth it, one span of every
+    chunk: its bounds need no host read (a device sync off CPU)."""
+    B, S = own.shape
     n_spans = min(MAX_QUERY_GROUPS, S, max(1, round(math.sqrt(B * heads * S * n_global / 2 / GROUP_SCORES))))
+    if n_spans == 1 or own.device.type != "cpu":
+        return [(0, S, 0, n_global)]
     bounds = [S * i // n_spans for i in range(n_spans + 1)]
-    starts = torch.tensor(bounds[:-1], device=layout.global_chunk.device)
-    low = layout.first_global_chunk[:, starts].amin(0)
-    high = layout.global_chunk[:, starts.new_tensor(bounds[1:]) - 1].amax(0)
-    spans = zip(bounds[:-1], bounds[1:], *torch.stack([low, high]).tolist(), strict=True)
-    return [(start, end, lo, hi) for start, end, lo, hi in spans if hi > lo and end > start]
+    edges = list(zip(bounds[:-1], bounds[1:], strict=True))
+    high = torch.stack([own[:, start:end].max() for start, end in edges])
+    low = torch.zeros_like(high) if first is None else torch.stack([first[:, start:end].min() for start, end in edges])
+    spans = zip(bounds[:-1], bounds[1:], *torch.stack([low, high]).tolist(), strict=True)  # the host read
+    return [(start, end, lo, hi) for start, end, lo, hi in spans if hi > lo]
 
 
 def _not_past_bias(n_rows: int, n_columns: int, rows_per_chunk: int, device) -> torch.Tensor:
@@ -414,8 +406,8 @@ def select_chunks(
     with torch.no_grad():
         rows, own, positions_per_row = gate_rows(q.detach(), layout, granularity)
         if layout.has_documents:
-            past_chunks, past_valid = select_past_chunks_in_documents(rows, chunk_means(k.detach(), layout), layout,
-                                                                      top_k)
+            past_chunks, past_valid = select_past_chunks(rows, chunk_means(k.detach(), layout), layout.global_chunk,
+                                                         top_k, layout.n_chunks, first=layout.first_global_chunk)
         else:
             past_chunks, past_valid = select_past_chunks_on_grid(
                 rows, chunk_means(k.detach(), layout), chunk_size // positions_per_row, top_k)
@@ -445,7 +437,7 @@ def select_against_means(
     validation.check_means_gate(q, means, own)
     top_k = validation.check_positive_int(top_k, "top_k")
     with torch.no_grad():
-        return select_past_chunks(scores_against_means(q.detach().float(), means), own, top_k)
+        return select_past_chunks(q.detach().float(), means, own, top_k, means.shape[2])
 
 
 def moba_selection(

@@ -2,7 +2,7 @@
 top_k far beyond the chunks, lengths off the chunk and block grid, many queries on one
 chunk in the backward, one-token documents.
 
-The tie rule (:func:`flexmoba.gate.tie_broken_keys`): among exactly equal gate scores the
+The tie rule (:mod:`flexmoba.gate`): among exactly equal gate scores the
 later chunk wins. The brute-force oracle agrees (it sorts ``(score, chunk)`` descending).
 Exact ties come from integer-valued queries and keys with power-of-two chunks: every chunk
 mean, product and sum is then exact in fp32, so every path sees the same ties.
@@ -26,7 +26,7 @@ from flexmoba import (
     select_chunks,
 )
 from flexmoba.decode import moba_decode_attention
-from flexmoba.gate import select_against_means, tie_broken_keys
+from flexmoba.gate import select_against_means
 from flexmoba.gather import BLOCK_UNITS, QUERY_BLOCK
 from flexmoba.kv_cache import ChunkKeySums, MoBAKVCache
 
@@ -93,12 +93,23 @@ def test_exact_ties_go_to_the_later_chunk(n_chunks):
     assert sorted(past[0, :, 0].flatten().tolist()) == sorted([last - 1, last - 2, last - 3] * 2)
 
 
+@pytest.mark.parametrize("few_scores", [0, 2**62], ids=["amax_passes", "max_indices"])
 @given(st.lists(st.floats(allow_nan=False, width=32) | st.sampled_from([0.0, -0.0]), min_size=1, max_size=12))
-def test_tie_broken_keys_order_as_score_then_later_chunk(scores):
-    """Equal floats tie (0.0 and -0.0 included, though their bits differ); the later chunk wins."""
-    keys = tie_broken_keys(torch.tensor(scores, dtype=torch.float32)).tolist()
-    by_rule = sorted(range(len(scores)), key=lambda j: (scores[j], j))
-    assert sorted(range(len(scores)), key=keys.__getitem__) == by_rule
+def test_maxima_order_as_score_then_later_chunk(few_scores, scores):
+    """Scores of chunks ``0 .. n-1`` of one query, in every order the gate takes maxima: equal floats tie
+    (0.0 and -0.0 included, though their bits differ) and the later chunk wins; -inf is never taken."""
+    n = len(scores)
+    original = gate.FEW_SCORES
+    gate.FEW_SCORES = few_scores  # hypothesis runs many examples per test call: no monkeypatch fixture
+    try:
+        latest_first = torch.tensor(scores[::-1], dtype=torch.float32)[:, None]  # row i: chunk n - 1 - i
+        chunks, valid = gate._latest_first_maxima(latest_first, n)
+    finally:
+        gate.FEW_SCORES = original
+    by_rule = sorted(range(n), key=lambda j: (scores[j], j), reverse=True)
+    taken = [j for j in by_rule if scores[j] > float("-inf")]
+    assert chunks[:len(taken), 0].tolist() == taken and valid[:, 0].tolist() == [True] * len(taken) + [False] * (
+        n - len(taken))
 
 
 def test_repeated_chunks_tie_and_the_later_copy_wins():
@@ -139,12 +150,12 @@ def test_tied_gate_scores_decode_equals_oracle_on_both_maxima_paths(few_scores, 
     torch.testing.assert_close(decode_in_pieces(q, k, v, 8, 3, [1] * 44), expected, atol=1e-5, rtol=1e-5)
 
 
-def every_chunk_span(layout, heads, n_global):
-    """The GPU's spans with documents: every position against every chunk (bounds need a host read)."""
-    return [(0, layout.global_chunk.shape[1], 0, n_global)]
+def every_chunk_span(own, heads, n_global, first=None):
+    """The spans off CPU: every position against every chunk (bounds would take a host read)."""
+    return [(0, own.shape[1], 0, n_global)]
 
 
-@pytest.mark.parametrize("spans", [gate.document_spans, every_chunk_span], ids=["cpu_spans", "every_chunk"])
+@pytest.mark.parametrize("spans", [gate.position_spans, every_chunk_span], ids=["cpu_spans", "every_chunk"])
 @pytest.mark.parametrize("few_scores", [0, 2**62], ids=["amax_passes", "max_indices"])
 @given(tied_problems())
 def test_tied_gate_scores_with_documents_equal_oracle_on_both_maxima_paths(spans, few_scores, problem):
@@ -156,13 +167,13 @@ def test_tied_gate_scores_with_documents_equal_oracle_on_both_maxima_paths(spans
     B, S = problem.q.shape[0], problem.q.shape[2]
     ids = problem.document_ids if problem.document_ids is not None else torch.zeros(B, S, dtype=torch.long)
     kwargs = {**problem.kwargs, "document_ids": ids}
-    original = gate.FEW_SCORES, gate.document_spans, gate.GROUP_SCORES
+    original = gate.FEW_SCORES, gate.position_spans, gate.GROUP_SCORES
     # hypothesis runs many examples per test call: no monkeypatch fixture
-    gate.FEW_SCORES, gate.document_spans, gate.GROUP_SCORES = few_scores, spans, 1
+    gate.FEW_SCORES, gate.position_spans, gate.GROUP_SCORES = few_scores, spans, 1
     try:
         mask = dense_moba_mask(select_chunks(problem.q, problem.k, **kwargs))
     finally:
-        gate.FEW_SCORES, gate.document_spans, gate.GROUP_SCORES = original
+        gate.FEW_SCORES, gate.position_spans, gate.GROUP_SCORES = original
     assert torch.equal(mask, oracle.dense_mask(problem.q, problem.k, **kwargs)), problem
 
 

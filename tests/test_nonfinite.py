@@ -1,8 +1,9 @@
 """Non-finite inputs: a NaN never wins a gate slot; it shows up only where it is attended."""
 
+import pytest
 import torch
 
-from flexmoba import MoBAKVCache, moba_attention, moba_decode_attention, moba_selection
+from flexmoba import MoBAKVCache, gate, moba_attention, moba_decode_attention, moba_selection
 
 
 def test_nan_key_chunk_is_never_selected_as_a_past_chunk():
@@ -54,3 +55,18 @@ def test_decode_does_not_read_the_values_of_a_nan_chunk_it_did_not_select():
     keys, values = k[:, :, c:], v[:, :, c:]  # chunk 1 and the own chunk: all the query may attend
     expected = torch.softmax(q @ keys.transpose(-1, -2) * D**-0.5, dim=-1) @ values
     torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("few_scores", [0, 2**62], ids=["amax_passes", "max_indices"])
+@pytest.mark.parametrize("documents", [False, True], ids=["grid", "documents"])
+def test_infinite_gate_scores_minus_inf_is_never_selected_plus_inf_wins(documents, few_scores, monkeypatch):
+    """A chunk whose gate score is -inf is never selected, even with a free slot; one at +inf wins
+    its slot. With documents (one here) the gate takes its other path; both maxima paths forced."""
+    monkeypatch.setattr(gate, "FEW_SCORES", few_scores)
+    q, k = torch.ones(1, 1, 40, 1), torch.randn(1, 1, 40, 1, generator=torch.Generator().manual_seed(0))
+    k[0, 0, 8:16] = float("-inf")  # chunk 1 scores -inf
+    k[0, 0, 24:32] = float("inf")  # chunk 3 scores +inf
+    ids = torch.zeros(1, 40, dtype=torch.long) if documents else None
+    chunks = moba_selection(q, k, chunk_size=8, top_k=3, document_ids=ids)[0, 0]
+    assert chunks[16:24].nonzero()[:, 1].unique().tolist() == [0, 2], "two past slots, chunk 1 left free"
+    assert chunks[32:40, 3].all() and not chunks[32:40, 1].any()
