@@ -225,7 +225,8 @@ def _span_maxima(latest_first, rows, start: int, end: int, own, first, low: int,
     H_kv, N = latest_first.shape[1], latest_first.shape[2]
     g, n, columns = H // H_kv, high - low, slice(start, end)
     candidates = latest_first[:, :, N - high:N - low]
-    if (start, end) == (0, S):  # every position: one product per KV head, chunks x (head in group, position)
+    every_position = (start, end) == (0, S)
+    if every_position:  # one product per KV head: chunks x (head in group, position)
         scores = fp32_matmul(candidates, rows.view(B, H_kv, g * S, D).transpose(-1, -2))  # [B, H_kv, n, g * S]
         per_column = scores.view(B, H_kv, n, g, S)
     else:
@@ -235,7 +236,7 @@ def _span_maxima(latest_first, rows, start: int, end: int, own, first, low: int,
     past = chunk < own[:, None, columns]  # [B, n, c]
     if first is not None:
         past &= chunk >= first[:, None, columns]
-    not_past = ~(past[:, None, :, None] if per_column is not scores else past[:, None, None])
+    not_past = ~(past[:, None, :, None] if every_position else past[:, None, None])
     if scores.numel() <= FEW_SCORES:  # few scores: fewer ops
         per_column.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
         per_column.masked_fill_(not_past, float("-inf"))
@@ -243,7 +244,7 @@ def _span_maxima(latest_first, rows, start: int, end: int, own, first, low: int,
         per_column.add_(torch.zeros(not_past.shape, device=scores.device).masked_fill_(not_past, float("-inf")))
         scores.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))  # inf - inf: not past
     chunks, valid = _latest_first_maxima(scores, min(count, n))
-    if per_column is not scores:  # [B, H_kv, taken, g * S] -> [B, H_kv, g, taken, S]
+    if every_position:  # [B, H_kv, taken, g * S] -> [B, H_kv, g, taken, S]
         chunks, valid = (x.view(B, H_kv, -1, g, S).transpose(2, 3) for x in (chunks, valid))
     return chunks.add(low) if low else chunks, valid
 
