@@ -20,6 +20,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from flexmoba.block_mask import key_intervals
 from flexmoba.checkpoint import load_model
+from flexmoba.host_memory import MMAP_THRESHOLD, TRIM_THRESHOLD, set_malloc_thresholds
 from flexmoba.model import GPT, capture_attention_inputs
 
 BLOCK = 128  # flex block size of the benchmarks
@@ -63,28 +64,18 @@ def _proc_status_kb(field: str) -> int:
     return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
 
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
-
-
-def _mallopt(mmap_threshold: int, trim_threshold: int) -> bool:
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold) and libc.mallopt(M_TRIM_THRESHOLD, trim_threshold))
-    except (OSError, AttributeError):
-        return False
-
-
 def settle_malloc() -> None:
-    """Fix glibc at the thresholds a warm process reaches anyway (32 MiB mmap, 64 MiB trim),
-    so every row is timed under the same allocator behaviour (call once, on CPU)."""
-    _mallopt(32 << 20, 64 << 20)
+    """Fix glibc at the thresholds the ``flexmoba`` launcher sets for CPU runs
+    (:func:`flexmoba.host_memory.keep_freed_memory`), so every row is timed under the same
+    allocator behaviour as training (call once, on CPU)."""
+    set_malloc_thresholds(MMAP_THRESHOLD, TRIM_THRESHOLD)
 
 
 @contextlib.contextmanager
 def uncached_malloc():
     """Make glibc map every allocation >= 1 MiB afresh and give it back on free, so that
     resident memory follows the tensors alive (else freed memory is reused unseen)."""
-    changed = _mallopt(1 << 20, 1 << 20)
+    changed = set_malloc_thresholds(1 << 20, 1 << 20)
     if changed:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     try:

@@ -4,7 +4,8 @@ Every training run goes through :class:`FlexMobaCLI` (LightningCLI over :class:`
 any LightningDataModule) and its :meth:`FlexMobaCLI.instantiate_trainer`: ``flexmoba fit``
 with the command line's arguments, ``flexmoba compare`` and ``flexmoba sweep`` with typed
 config dicts (:func:`fit_and_validate`). So every run gets the same checks at parse time,
-divergence guard, atomic checkpoints, run-folder rules, loggers and resume.
+divergence guard, atomic checkpoints, run-folder rules, loggers and resume, and on CPU glibc's
+malloc thresholds fixed (:func:`flexmoba.host_memory.keep_freed_memory`).
 
 ``data`` defaults to :class:`ByteFilesData` (this Python's standard library as the corpus);
 another module is named by ``data.class_path`` (e.g. ``lit.experiments.retrieval.RetrievalData``,
@@ -34,6 +35,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from flexmoba.checkpoint import checkpoint_config, read_checkpoint
+from flexmoba.host_memory import keep_freed_memory
 from flexmoba.model import ModelConfig
 from lit.cli import checks
 from lit.cli.errors import UsageError, fail, is_rank_zero
@@ -344,7 +346,10 @@ class FlexMobaCLI(LightningCLI):
                                                self._get(self.config_init, "default_loggers", default=True))
         if not trainer_config.get("plugins") and "plugins" not in kwargs:
             kwargs["plugins"] = [AtomicCheckpointIO()]
-        return with_own_display(super().instantiate_trainer(**kwargs))
+        trainer = super().instantiate_trainer(**kwargs)
+        if trainer.strategy.root_device.type == "cpu":
+            keep_freed_memory()  # page faults on every step's temporaries otherwise (flexmoba/host_memory.py)
+        return with_own_display(trainer)
 
     def check_data(self) -> None:
         """A corpus that cannot work (no files, patterns matching nothing, files too short) is one
