@@ -6,8 +6,8 @@ beyond a trim threshold; it raises both thresholds only as large blocks are free
 past 32 MiB. Memory given back is paid for again as page faults the next time it is used. The
 ``gather`` backend allocates many block-sized temporaries (each chunk's gathered queries, keys
 and gradients), so on CPU it pays more of those faults than one fused SDPA call: at
-``flexmoba compare``'s size its attention ran a fifth slower under glibc's defaults than with
-both thresholds fixed (docs/performance.md#host-memory).
+``flexmoba compare``'s size its attention took about 1.25x as long under glibc's defaults as
+with both thresholds fixed (docs/performance.md#host-memory).
 
 :func:`keep_freed_memory` fixes both thresholds at the top of glibc's own range, so freed
 blocks stay in the process. Nothing here runs on import; the ``flexmoba`` launcher calls it
