@@ -172,7 +172,7 @@ def select_past_chunks_on_grid(
             if key not in biases:
                 biases[key] = _not_past_bias(end - first - 1, key[1], rows_per_chunk, rows.device)
             scores[..., :end - first - 1, :].add_(biases[key])
-        scores.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))  # inf - inf: not past
+        _nan_to_minus_inf(scores)  # inf - inf: not past
         taken = min(P, n_past)
         _rank_maxima(scores, work_buffer[:scores.numel()].view(shape),
                      ranks[..., :taken, columns], maxima[..., :taken, columns])
@@ -238,11 +238,10 @@ def _span_maxima(latest_first, rows, start: int, end: int, own, first, low: int,
         past &= chunk >= first[:, None, columns]
     not_past = ~(past[:, None, :, None] if every_position else past[:, None, None])
     if scores.numel() <= FEW_SCORES:  # few scores: fewer ops
-        per_column.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
         per_column.masked_fill_(not_past, float("-inf"))
     else:  # a masked fill of many scores costs more than adding a bias
         per_column.add_(torch.zeros(not_past.shape, device=scores.device).masked_fill_(not_past, float("-inf")))
-        scores.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))  # inf - inf: not past
+    _nan_to_minus_inf(scores)  # inf - inf: not past
     chunks, valid = _latest_first_maxima(scores, min(count, n))
     if every_position:  # [B, H_kv, taken, g * S] -> [B, H_kv, g, taken, S]
         chunks, valid = (x.view(B, H_kv, -1, g, S).transpose(2, 3) for x in (chunks, valid))
@@ -264,8 +263,14 @@ def position_spans(own: torch.Tensor, heads: int, n_global: int,
     edges = list(zip(bounds[:-1], bounds[1:], strict=True))
     high = torch.stack([own[:, start:end].max() for start, end in edges])
     low = torch.zeros_like(high) if first is None else torch.stack([first[:, start:end].min() for start, end in edges])
-    spans = zip(bounds[:-1], bounds[1:], *torch.stack([low, high]).tolist(), strict=True)  # the host read
-    return [(start, end, lo, hi) for start, end, lo, hi in spans if hi > lo]
+    lows, highs = torch.stack([low, high]).tolist()  # the host read
+    return [(start, end, lo, hi) for (start, end), lo, hi in zip(edges, lows, highs, strict=True) if hi > lo]
+
+
+def _nan_to_minus_inf(scores: torch.Tensor) -> torch.Tensor:
+    """NaN scores to -inf, in place (never selected); infinities stay, which ``nan_to_num`` alone
+    would make finite."""
+    return scores.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
 
 
 def _not_past_bias(n_rows: int, n_columns: int, rows_per_chunk: int, device) -> torch.Tensor:
@@ -348,7 +353,7 @@ def select_before_chunk(
     if taken:
         by_column = rows.reshape(B, H_kv, (H // H_kv) * R, D).transpose(-1, -2)
         scores = fp32_matmul(means[:, :, :own], by_column).flip(2)  # [B, H_kv, own, g * R], latest first
-        scores.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+        _nan_to_minus_inf(scores)
         indices, valid = _latest_first_maxima(scores, taken)
     else:
         indices = valid = rows.new_empty(B, H_kv, 0, (H // H_kv) * R)
