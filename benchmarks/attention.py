@@ -13,13 +13,14 @@ the device allows (flex has no CPU backward), of:
     sdpa_causal       F.scaled_dot_product_attention(is_causal=True), the reference for speedups
 
 MoBA times are end to end (gating + mask/plan + attention: what ``moba_attention`` costs a
-model); ``kernel`` is the attention alone with the mask/selection prebuilt; ``build`` is
-the gating + mask alone, timed in turns with ``kernel`` (build / kernel: their ratio, as both
-saw the same machine). The causal flex mask is static, so it is built once, outside the
-timing. speedup = sdpa_causal time / time. FLOP ideal = causal (query, key) pairs / pairs
-MoBA attends, from the real selection. achieved = forward speedup / ideal. Block density
-= blocks the flex kernel visits / causal blocks; visited/attended = (query, key) pairs in
-those blocks / pairs MoBA attends (1.0 is perfectly sparse; the sink key's block excluded).
+model); ``kernel`` is the attention alone with the mask or plan prebuilt; ``build`` is the
+gating + mask or plan alone (gather: its pairs sorted by chunk, in blocks), timed in turns with
+``kernel`` (build / kernel: their ratio, as both saw the same machine). The causal flex mask is
+static, so it is built once, outside the timing. speedup = sdpa_causal time / time. FLOP ideal
+= causal (query, key) pairs / pairs MoBA attends, from the real selection. achieved = forward
+speedup / ideal. Block density = blocks the flex kernel visits / causal blocks;
+visited/attended = (query, key) pairs in those blocks / pairs MoBA attends (1.0 is perfectly
+sparse; the sink key's block excluded).
 Peak memory: extra memory during one call over what was live before it
 (:func:`benchmarks.common.peak_extra_mb`). With ``--inputs checkpoint``, q/k/v are each
 layer's own (:func:`flexmoba.model.capture_attention_inputs` on Python source bytes) and a
@@ -61,7 +62,7 @@ from benchmarks.common import (
 from benchmarks.verdict import one_line
 from flexmoba import compiled_flex_attention, moba_attention, select_chunks, selection_block_mask
 from flexmoba.flex_plan import plan_from_selection
-from flexmoba.gather import gather_moba_attention
+from flexmoba.gather import gather_plan
 from flexmoba.masks import dense_moba_mask
 from lit.cli.options import OneLineArgumentParser
 
@@ -208,7 +209,7 @@ def moba_runner(case: Case) -> Runner:
             return plan_from_selection(selection, k.shape[1], block_size=BLOCK, sink=q.device.type == "cpu")
         if backend.startswith("flex"):
             return selection_block_mask(selection, BLOCK, compute_q_blocks=False)
-        return dense_moba_mask(selection) if backend == "sdpa" else selection
+        return dense_moba_mask(selection) if backend == "sdpa" else gather_plan(selection, k, v)
 
     def forward(q, k, v):
         return moba_attention(q, k, v, backend=backend, **kw)
@@ -222,7 +223,7 @@ def moba_runner(case: Case) -> Runner:
     elif backend == "sdpa":
         kernel = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=state, enable_gqa=gqa)  # noqa: E731
     else:
-        kernel = lambda: gather_moba_attention(q, k, v, state)  # noqa: E731
+        kernel = lambda: state.attention(q, k, v, scale=scale)  # noqa: E731
     block_mask = state.block_mask if regrouped else state if backend.startswith("flex") else None
     runner = Runner(forward, kernel, build, backward_ok=not backend.startswith("flex") or q.device.type == "cuda",
                     block_mask=block_mask, selection=selection)

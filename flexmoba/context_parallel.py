@@ -41,14 +41,13 @@ from flexmoba.compiled_flex import active_flex_attention, custom_flex_attention,
 from flexmoba.flex_plan import plan_from_selection
 from flexmoba.gate import Selection, chunk_means, gate_rows, select_past_chunks
 from flexmoba.gather import (
-    QUERY_BLOCK,
     PastPairs,
     Segment,
-    _GatheredMoBA,
     dense_attention,
     dense_attention_backward,
     own_chunks,
     past_pairs,
+    plan_pairs,
 )
 from flexmoba.layout import ChunkLayout, chunk_layout, document_starts
 from flexmoba.spec import MobaSpec
@@ -237,7 +236,9 @@ def local_gather(q, k, v, selection: Selection, scale: float, query_start: int) 
         pairs = join_pairs(pairs, own_chunk_prefixes(selection, H, H_kv, query_start))
         on_grid = not layout.has_documents and query_start % layout.chunk_size == 0
         own = None if on_grid else own_chunks(selection, H, H_kv)
-    return _GatheredMoBA.apply(q, k, v, pairs, own, layout.chunk_size, scale, QUERY_BLOCK, query_start)
+        plan = plan_pairs(pairs, own, layout.chunk_size, tuple(q.shape[:3]), tuple(k.shape), v.shape[-1],
+                          key_offset=query_start)
+    return plan.attention(q, k, v, scale=scale)
 
 
 def local_dense_mask(selection: Selection, query_start: int, key_len: int) -> torch.Tensor:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from flexmoba import validation
 from flexmoba.gate import Selection
 
-__all__ = ["gather_moba_attention"]
+__all__ = ["GatherPlan", "gather_moba_attention", "gather_plan"]
 
 
 def selected_pairs(selection: Selection) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,21 +91,24 @@ def past_pairs(selection: Selection, kv_heads: int) -> PastPairs:
     B, H, S, P = selection.past_chunks.shape
     n_global = layout.n_global_chunks
     device = selection.past_chunks.device
-    kv_row = (torch.arange(B, device=device)[:, None] * kv_heads
-              + torch.arange(H, device=device) // (H // kv_heads))[:, :, None, None]  # [B, H, 1, 1]
-    global_chunk = layout.first_global_chunk[:, None, :, None] + selection.past_chunks  # [B, H, S, P]
     n_buckets = B * kv_heads * n_global
-    bucket = torch.where(selection.past_valid, kv_row * n_global + global_chunk, n_buckets).flatten()
+    key_type = sort_key_dtype(n_buckets)  # "unused" is bucket n_buckets
+    kv_row = (torch.arange(B, device=device)[:, None] * kv_heads
+              + torch.arange(H, device=device) // (H // kv_heads))  # [B, H]
+    first_bucket = (kv_row[:, :, None] * n_global + layout.first_global_chunk[:, None, :]).to(key_type)  # [B, H, S]
+    bucket = torch.where(selection.past_valid, selection.past_chunks.to(key_type) + first_bucket[..., None],
+                         n_buckets).flatten()
+    slot = torch.argsort(bucket, stable=True)  # flat index in [B, H, S, P]
     counts = torch.bincount(bucket, minlength=n_buckets + 1)[:n_buckets]
-    slot = torch.argsort(bucket.to(sort_key_dtype(n_buckets)), stable=True)  # "unused" is bucket n_buckets
-    start = layout.doc_start[:, None, :, None] + selection.past_chunks * layout.chunk_size  # [B, H, S, P]
-    starts = torch.zeros(n_buckets + 1, dtype=torch.long, device=device).scatter_(0, bucket, start.flatten())
     used = counts.nonzero().squeeze(1)
-    segments, offset = [], 0
-    for b, count, start in zip(used.tolist(), counts[used].tolist(), starts[used].tolist(), strict=True):
-        segments.append(Segment(offset, count, b // n_global, start, layout.chunk_size))
-        offset += count
-    slot = slot[:offset]  # flat index in [B, H, S, P]
+    count = counts[used]
+    offset = torch.cumsum(count, 0) - count
+    first = slot[offset]  # each segment's first pair: where its chunk starts
+    b, s = first // (H * S * P), first // P % S
+    starts = layout.doc_start[b, s] + selection.past_chunks[b, first // (S * P) % H, s, first % P] * layout.chunk_size
+    segments = [Segment(o, c, row // n_global, start, layout.chunk_size) for o, c, row, start
+                in zip(offset.tolist(), count.tolist(), used.tolist(), starts.tolist(), strict=True)]
+    slot = slot[:sum(seg.count for seg in segments)]
     return PastPairs(torch.div(slot, P, rounding_mode="floor") if P else slot, segments)
 
 
@@ -330,19 +333,21 @@ def pair_blocks(pairs: PastPairs, key_len: int, chunk: int, unit: int, width: in
     per_size = [units // largest] + [units % largest // u % 2 for u in BLOCK_UNITS[1:]]  # blocks per segment
     first_unit = [torch.zeros_like(units)] + [units // largest * largest + units % largest // (2 * u) * (2 * u)
                                               for u in BLOCK_UNITS[1:]]  # where each size starts in its segment
-    n_blocks = [int(b.sum()) for b in per_size]
+    n_blocks = torch.stack(per_size).sum(1).tolist()
     if sum(n_blocks) * chunk * width * 4 > BATCHED_PAIRS_MAX_BYTES:
         return None
     segment_ids = torch.arange(len(segments), device=device)
     queries, keys, paddings = [], [], []
     for u, blocks, start, n in zip(BLOCK_UNITS, per_size, first_unit, n_blocks, strict=True):
+        if not n:
+            continue
         R = u * unit
         segment = torch.repeat_interleave(segment_ids, blocks, output_size=n)
         block_in_size = torch.arange(n, device=device) - (torch.cumsum(blocks, 0) - blocks)[segment]
         local = (start[segment] * unit + block_in_size * R)[:, None] + torch.arange(R, device=device)  # [n, R]
         last = count[segment, None] - 1
-        pair = offset[segment, None] + torch.minimum(local, last)
-        queries.append(pairs.query[pair].flatten())
+        pair = torch.minimum(local, last).add_(offset[segment, None])
+        queries.append(pairs.query.index_select(0, pair.flatten()))  # index_select: 2.4x faster than indexing
         keys.append((first_key[segment, None] + torch.arange(chunk, device=device)).flatten())
         paddings.append((local > last).flatten())
     padding = torch.cat(paddings).nonzero().squeeze(1)
@@ -350,42 +355,95 @@ def pair_blocks(pairs: PastPairs, key_len: int, chunk: int, unit: int, width: in
     return PairBlocks(sizes, torch.cat(queries), torch.cat(keys), padding)
 
 
+@dataclass(frozen=True)
+class GatherPlan:
+    """What the gather backend reads besides q, k, v, built once per selection (:func:`gather_plan`)
+    and read by the forward and the backward pass.
+
+    Attributes:
+        pairs: the past (query, chunk) pairs sorted by the keys they read.
+        blocks: the pairs in blocks of rows (:func:`pair_blocks`); None: one call per segment.
+        own: the padded own chunks of a layout with documents; None on the grid.
+        chunk: tokens per chunk.
+        query_shape: ``(B, H, S)`` of the queries the plan is for.
+        key_len: T, the keys' length.
+        query_block: rows of the smallest block of pairs (backward: twice that per block).
+        key_offset: where the queries' own chunks start in the keys (0 unless queries sit at
+            the end of longer keys, as in :mod:`flexmoba.context_parallel`).
+    """
+
+    pairs: PastPairs
+    blocks: PairBlocks | None
+    own: OwnChunks | None
+    chunk: int
+    query_shape: tuple[int, int, int]
+    key_len: int
+    query_block: int = QUERY_BLOCK
+    key_offset: int = 0
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                  scale: float | None = None) -> torch.Tensor:
+        """MoBA of ``q: [B, H, S, D]`` over ``k, v: [B, H_kv, T, D]`` -> ``[B, H, S, Dv]``."""
+        if tuple(q.shape[:3]) != self.query_shape:
+            raise ValueError(f"q is [B, H, S] = {list(q.shape[:3])} but the plan is for {list(self.query_shape)}")
+        if k.shape[2] != self.key_len or v.shape[2] != self.key_len:
+            raise ValueError(f"k and v must hold the plan's {self.key_len} keys, got {k.shape[2]} and {v.shape[2]}")
+        return _GatheredMoBA.apply(q, k, v, self, validation.softmax_scale(scale, q))
+
+
+def plan_pairs(pairs: PastPairs, own: OwnChunks | None, chunk: int, query_shape: tuple[int, int, int],
+               kv_shape: tuple[int, ...], value_dim: int, query_block: int = QUERY_BLOCK,
+               key_offset: int = 0) -> GatherPlan:
+    """The :class:`GatherPlan` of pairs already sorted (``kv_shape``: k's ``[B, H_kv, T, D]``)."""
+    blocks = pair_blocks(pairs, kv_shape[2], chunk, query_block, kv_shape[3] + value_dim)
+    return GatherPlan(pairs, blocks, own, chunk, tuple(query_shape), kv_shape[2], query_block, key_offset)
+
+
+def gather_plan(selection: Selection, k: torch.Tensor, v: torch.Tensor, query_block: int = QUERY_BLOCK) -> GatherPlan:
+    """The :class:`GatherPlan` of a selection for keys and values shaped as ``k, v: [B, H_kv, S, D]``
+    (only their shapes are read)."""
+    B, H, S, _ = selection.past_chunks.shape
+    with torch.no_grad():
+        pairs = past_pairs(selection, k.shape[1])
+        own = own_chunks(selection, H, k.shape[1]) if selection.layout.has_documents else None
+        return plan_pairs(pairs, own, selection.layout.chunk_size, (B, H, S), tuple(k.shape), v.shape[-1], query_block)
+
+
 class _GatheredMoBA(torch.autograd.Function):
-    """``q: [B, H, S, D]`` over ``k, v: [B, H_kv, T, D]``, T >= S; the queries' own chunks lie in
-    keys ``[key_offset, key_offset + S)`` (0 and T = S unless queries sit at the end of longer keys)."""
+    """``q: [B, H, S, D]`` over ``k, v: [B, H_kv, T, D]``, T >= S, as the :class:`GatherPlan` says; the
+    queries' own chunks lie in keys ``[key_offset, key_offset + S)``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, pairs: PastPairs, own: OwnChunks | None, chunk: int, scale: float, block: int,
-                key_offset: int = 0):
-        B, H, S, D = q.shape
+    def forward(ctx, q, k, v, plan: GatherPlan, scale: float):
+        B, H, S, _ = q.shape
         Dv = v.shape[-1]
-        own_out, own_lse = _own_forward(q, k.narrow(2, key_offset, S), v.narrow(2, key_offset, S), own, chunk, scale)
+        k_own, v_own = k.narrow(2, plan.key_offset, S), v.narrow(2, plan.key_offset, S)
+        own_out, own_lse = _own_forward(q, k_own, v_own, plan.own, plan.chunk, scale)
         out, lse = own_out.reshape(-1, Dv).float(), own_lse.reshape(-1)  # the past parts are merged into these
-        blocks = pair_blocks(pairs, k.shape[2], chunk, block, D + Dv)
-        if blocks is None:
-            _merge_segments(out, lse, q, k, v, pairs, scale)
+        if plan.blocks is None:
+            _merge_segments(out, lse, q, k, v, plan.pairs, scale)
         else:
-            out, lse = _merge_blocks(out, lse, q, k, v, blocks, scale)
+            out, lse = _merge_blocks(out, lse, q, k, v, plan.blocks, scale)
         out = out.to(q.dtype).view(B, H, S, Dv)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.pairs, ctx.blocks, ctx.own, ctx.chunk, ctx.scale, ctx.block = pairs, blocks, own, chunk, scale, block
-        ctx.key_offset = key_offset
+        ctx.plan, ctx.scale = plan, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
+        plan, scale = ctx.plan, ctx.scale
         B, H, S, _ = q.shape
         grad_out = grad_out.contiguous()
-        k_own, v_own = k.narrow(2, ctx.key_offset, S), v.narrow(2, ctx.key_offset, S)
-        dq, dk, dv = _own_backward(grad_out, q, k_own, v_own, out, lse.view(B, H, S), ctx.own, ctx.chunk, ctx.scale)
-        dk, dv = _embed_keys(dk, k, ctx.key_offset), _embed_keys(dv, v, ctx.key_offset)
-        past = (grad_out, q, k, v, out, lse, dq, dk, dv, ctx.scale)
-        if ctx.blocks is None:
-            _backward_segments(*past, ctx.pairs, 2 * ctx.block)
+        k_own, v_own = k.narrow(2, plan.key_offset, S), v.narrow(2, plan.key_offset, S)
+        dq, dk, dv = _own_backward(grad_out, q, k_own, v_own, out, lse.view(B, H, S), plan.own, plan.chunk, scale)
+        dk, dv = _embed_keys(dk, k, plan.key_offset), _embed_keys(dv, v, plan.key_offset)
+        past = (grad_out, q, k, v, out, lse, dq, dk, dv, scale)
+        if plan.blocks is None:
+            _backward_segments(*past, plan.pairs, 2 * plan.query_block)
         else:
-            _backward_blocks(*past, ctx.blocks)
-        return dq, dk, dv, None, None, None, None, None, None
+            _backward_blocks(*past, plan.blocks)
+        return dq, dk, dv, None, None
 
 
 def _merge_segments(out, lse, q, k, v, pairs: PastPairs, scale: float) -> None:
@@ -585,8 +643,4 @@ def gather_moba_attention(
     ``query_block``: rows of the smallest block of past pairs (:data:`BLOCK_UNITS`); on long sequences a past
     chunk's queries run backward as a batch of blocks of twice this many rows.
     """
-    scale = validation.softmax_scale(scale, q)
-    with torch.no_grad():
-        pairs = past_pairs(selection, k.shape[1])
-        own = own_chunks(selection, q.shape[1], k.shape[1]) if selection.layout.has_documents else None
-    return _GatheredMoBA.apply(q, k, v, pairs, own, selection.layout.chunk_size, scale, query_block)
+    return gather_plan(selection, k, v, query_block).attention(q, k, v, scale=scale)

@@ -1,6 +1,7 @@
 """The gather backend's batching: a chunk's queries split into blocks (or all chunks' blocks in one
 batch), gradients summed back."""
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -106,3 +107,31 @@ def test_padded_own_chunks_of_documents_keep_large_logits_finite_and_exact():
     for g, e in zip(got, expected, strict=True):
         assert torch.isfinite(g).all()
         torch.testing.assert_close(g, e, atol=1e-3, rtol=1e-4)
+
+
+@given(problems())
+def test_one_plan_serves_any_values_and_gradients(problem):
+    """A plan reads the selection and the shapes only: built once, it serves calls with other values
+    (as a benchmark's prebuilt plan and a training step's backward do), each equal to the reference."""
+    selection = select_chunks(problem.q, problem.k, **problem.kwargs)
+    plan = gather.gather_plan(selection, problem.k, problem.v)
+    for seed in (0, 1):
+        v = torch.randn(problem.v.shape, generator=torch.Generator().manual_seed(seed))
+        inputs = [t.clone().requires_grad_() for t in (problem.q, problem.k, v)]
+        out = plan.attention(*inputs, scale=problem.scale)
+        got = torch.autograd.grad(out.square().sum(), inputs)
+        inputs = [t.clone().requires_grad_() for t in (problem.q, problem.k, v)]
+        ref = moba_reference(*inputs, **problem.attention_kwargs)
+        expected = torch.autograd.grad(ref.square().sum(), inputs)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g, e, atol=5e-5, rtol=5e-5)
+
+
+def test_a_plan_refuses_queries_and_keys_of_other_shapes():
+    q, k, v = torch.randn(1, 2, 24, 4), torch.randn(1, 1, 24, 4), torch.randn(1, 1, 24, 4)
+    plan = gather.gather_plan(select_chunks(q, k, chunk_size=4, top_k=2), k, v)
+    with pytest.raises(ValueError, match=r"q is \[B, H, S\] = \[1, 2, 16\] but the plan is for \[1, 2, 24\]"):
+        plan.attention(q[:, :, :16], k, v)
+    with pytest.raises(ValueError, match="k and v must hold the plan's 24 keys, got 24 and 20"):
+        plan.attention(q, k, v[:, :, :20])
