@@ -329,30 +329,32 @@ def pair_blocks(pairs: PastPairs, key_len: int, chunk: int, unit: int, width: in
     offset, count, first_key = torch.tensor(
         [(seg.offset, seg.count, seg.kv_row * key_len + seg.start) for seg in segments], device=device).unbind(1)
     units = torch.div(count + unit - 1, unit, rounding_mode="floor")
-    largest = BLOCK_UNITS[0]
-    per_size = [units // largest] + [units % largest // u % 2 for u in BLOCK_UNITS[1:]]  # blocks per segment
-    first_unit = [torch.zeros_like(units)] + [units // largest * largest + units % largest // (2 * u) * (2 * u)
-                                              for u in BLOCK_UNITS[1:]]  # where each size starts in its segment
-    n_blocks = torch.stack(per_size).sum(1).tolist()
+    rest = units % BLOCK_UNITS[0]  # under 12 units: at most one block of each smaller size, its binary digits
+    per_size = torch.stack([units // BLOCK_UNITS[0]] + [rest // u % 2 for u in BLOCK_UNITS[1:]])  # [sizes, segments]
+    size_units = torch.tensor(BLOCK_UNITS, device=device)[:, None]
+    first_unit = torch.cumsum(per_size * size_units, 0) - per_size * size_units  # where each size starts in its segment
+    n_blocks = per_size.sum(1).tolist()
     if sum(n_blocks) * chunk * width * 4 > BATCHED_PAIRS_MAX_BYTES:
         return None
-    segment_ids = torch.arange(len(segments), device=device)
-    queries, keys, paddings = [], [], []
-    for u, blocks, start, n in zip(BLOCK_UNITS, per_size, first_unit, n_blocks, strict=True):
-        if not n:
-            continue
-        R = u * unit
-        segment = torch.repeat_interleave(segment_ids, blocks, output_size=n)
-        block_in_size = torch.arange(n, device=device) - (torch.cumsum(blocks, 0) - blocks)[segment]
-        local = (start[segment] * unit + block_in_size * R)[:, None] + torch.arange(R, device=device)  # [n, R]
-        last = count[segment, None] - 1
-        pair = torch.minimum(local, last).add_(offset[segment, None])
-        queries.append(pairs.query.index_select(0, pair.flatten()))  # index_select: 2.4x faster than indexing
-        keys.append((first_key[segment, None] + torch.arange(chunk, device=device)).flatten())
-        paddings.append((local > last).flatten())
-    padding = torch.cat(paddings).nonzero().squeeze(1)
+    # Every block, size after size, segment after segment: its segment and its first row there.
+    per_size, first_unit = per_size.flatten(), first_unit.flatten()
+    size_segment = torch.repeat_interleave(torch.arange(len(per_size), device=device), per_size,
+                                           output_size=sum(n_blocks))
+    segment = size_segment % len(segments)
+    first_block = torch.cumsum(per_size, 0) - per_size  # of each (size, segment)
+    block_in_size = torch.arange(len(size_segment), device=device) - first_block[size_segment]
+    block_units = size_units.flatten()[size_segment // len(segments)]
+    first_row = (first_unit[size_segment] + block_in_size * block_units) * unit
     sizes = tuple((u * unit, n) for u, n in zip(BLOCK_UNITS, n_blocks, strict=True) if n)
-    return PairBlocks(sizes, torch.cat(queries), torch.cat(keys), padding)
+    per_block = (x[:, None].split([n for _, n in sizes]) for x in (first_row, count[segment] - 1, offset[segment]))
+    queries, paddings = [], []
+    for (R, _), first, last, base in zip(sizes, *per_block, strict=True):  # rows [n, R] per size
+        local = first + torch.arange(R, device=device)
+        pair = torch.minimum(local, last).add_(base)  # padding rows: the segment's last pair
+        queries.append(pairs.query.index_select(0, pair.flatten()))  # index_select: 2.4x faster than indexing
+        paddings.append((local > last).flatten())
+    keys = (first_key[segment, None] + torch.arange(chunk, device=device)).flatten()
+    return PairBlocks(sizes, torch.cat(queries), keys, torch.cat(paddings).nonzero().squeeze(1))
 
 
 @dataclass(frozen=True)
