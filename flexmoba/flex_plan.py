@@ -52,7 +52,7 @@ from flexmoba import validation
 from flexmoba.block_mask import DEFAULT_BLOCK_SIZE, listed_first
 from flexmoba.compiled_flex import active_flex_attention, needs_sink
 from flexmoba.gate import Selection, select_chunks
-from flexmoba.gather import sort_key_dtype
+from flexmoba.gather import exclusive_cumsum, sort_key_dtype
 from flexmoba.masks import check_flex_index
 from flexmoba.pair_counts import past_chunk_slots
 from flexmoba.spec import Granularity, MobaSpec
@@ -166,10 +166,6 @@ def virtual_lengths(heads_per_kv: int, seq_len: int, chunk_size: int, top_k: int
     return own, past_blocks * block_q
 
 
-def _exclusive_cumsum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    return torch.cumsum(x, dim) - x
-
-
 def _own_rows(selection: Selection, H_kv: int, own_len: int, query_start: int = 0):
     """Intervals and sources of the own rows, and the own slot's virtual row ``[B, H, S]``."""
     layout = selection.layout
@@ -208,11 +204,11 @@ def _past_rows(selection: Selection, H_kv: int, own_len: int, past_len: int, blo
     key_start = torch.zeros_like(counts).scatter_(1, key, chunk_start)[:, :n]  # every pair of a bucket agrees
     counts = counts[:, :n]
     blocks = (counts + block_q - 1) // block_q
-    first_row = own_len + _exclusive_cumsum(blocks) * block_q  # [R, n] first virtual row of each chunk
+    first_row = own_len + exclusive_cumsum(blocks) * block_q  # [R, n] first virtual row of each chunk
 
     sorted_key, order = _sort_rows(key, n + 1)
     # A pair's virtual row: its chunk's first row plus its place among the chunk's pairs in sorted order.
-    first_row_less_place = F.pad(first_row - _exclusive_cumsum(counts), (0, 1))  # [R, n + 1]; n: unused
+    first_row_less_place = F.pad(first_row - exclusive_cumsum(counts), (0, 1))  # [R, n + 1]; n: unused
     place = torch.arange(key.shape[1], device=device)
     row_sorted = (first_row_less_place.gather(1, sorted_key) + place) * (sorted_key < n)  # unused pairs: row 0
     rows = torch.empty_like(row_sorted).scatter_(1, order, row_sorted)  # [R, G*S*P]

@@ -76,6 +76,11 @@ class PastPairs:
     segments: list[Segment]
 
 
+def exclusive_cumsum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Each element's sum of the elements before it along ``dim`` (a run's first index from run lengths)."""
+    return torch.cumsum(x, dim) - x
+
+
 def sort_key_dtype(max_value: int) -> torch.dtype:
     """The smallest integer type holding ``0 .. max_value``, for sort keys."""
     return torch.int16 if max_value < 2**15 else torch.int32 if max_value < 2**31 else torch.long
@@ -102,10 +107,9 @@ def past_pairs(selection: Selection, kv_heads: int) -> PastPairs:
     counts = torch.bincount(bucket, minlength=n_buckets + 1)[:n_buckets]
     used = counts.nonzero().squeeze(1)
     count = counts[used]
-    offset = torch.cumsum(count, 0) - count
-    first = slot[offset]  # each segment's first pair: where its chunk starts
-    b, s = first // (H * S * P), first // P % S
-    starts = layout.doc_start[b, s] + selection.past_chunks[b, first // (S * P) % H, s, first % P] * layout.chunk_size
+    offset = exclusive_cumsum(count, 0)
+    b, h, s, p = torch.unravel_index(slot[offset], (B, H, S, P))  # each segment's first pair: where its chunk starts
+    starts = layout.doc_start[b, s] + selection.past_chunks[b, h, s, p] * layout.chunk_size
     segments = [Segment(o, c, row // n_global, start, layout.chunk_size) for o, c, row, start
                 in zip(offset.tolist(), count.tolist(), used.tolist(), starts.tolist(), strict=True)]
     slot = slot[:sum(seg.count for seg in segments)]
@@ -332,7 +336,7 @@ def pair_blocks(pairs: PastPairs, key_len: int, chunk: int, unit: int, width: in
     rest = units % BLOCK_UNITS[0]  # under 12 units: at most one block of each smaller size, its binary digits
     per_size = torch.stack([units // BLOCK_UNITS[0]] + [rest // u % 2 for u in BLOCK_UNITS[1:]])  # [sizes, segments]
     size_units = torch.tensor(BLOCK_UNITS, device=device)[:, None]
-    first_unit = torch.cumsum(per_size * size_units, 0) - per_size * size_units  # where each size starts in its segment
+    first_unit = exclusive_cumsum(per_size * size_units, 0)  # where each size starts in its segment
     n_blocks = per_size.sum(1).tolist()
     if sum(n_blocks) * chunk * width * 4 > BATCHED_PAIRS_MAX_BYTES:
         return None
@@ -341,8 +345,7 @@ def pair_blocks(pairs: PastPairs, key_len: int, chunk: int, unit: int, width: in
     size_segment = torch.repeat_interleave(torch.arange(len(per_size), device=device), per_size,
                                            output_size=sum(n_blocks))
     segment = size_segment % len(segments)
-    first_block = torch.cumsum(per_size, 0) - per_size  # of each (size, segment)
-    block_in_size = torch.arange(len(size_segment), device=device) - first_block[size_segment]
+    block_in_size = torch.arange(len(size_segment), device=device) - exclusive_cumsum(per_size, 0)[size_segment]
     block_units = size_units.flatten()[size_segment // len(segments)]
     first_row = (first_unit[size_segment] + block_in_size * block_units) * unit
     sizes = tuple((u * unit, n) for u, n in zip(BLOCK_UNITS, n_blocks, strict=True) if n)
