@@ -124,9 +124,12 @@ def gate_rows(q: torch.Tensor, layout: ChunkLayout, granularity) -> tuple[torch.
 # Query chunks scored together against one block of candidate chunks. g groups compute the causal
 # part of the scores and about 1/g of it again; each group costs a fixed run of small calls, so the
 # best g grows as the square root of the work: sqrt(causal scores / GROUP_SCORES), at most
-# MAX_QUERY_GROUPS (measured on CPU: one group at 1K tokens and 8 chunks, 8 to 16 at 32K and 64).
+# MAX_QUERY_GROUPS (measured on CPU, with pooled maxima: one group at 8K tokens and 16 chunks, three
+# at 32K and 64, where 2**16 made eight and took 1.15x the time). Spans of positions with documents
+# (:func:`position_spans`) pay a bias per span: more of them, SPAN_SCORES each, measured fastest.
 MAX_QUERY_GROUPS = 16
-GROUP_SCORES = 2**16
+GROUP_SCORES = 2**19
+SPAN_SCORES = 2**16
 
 
 def query_chunk_groups(n_chunks: int, causal_scores: int) -> list[tuple[int, int]]:
@@ -141,7 +144,7 @@ def select_past_chunks_on_grid(
     rows: torch.Tensor, means: torch.Tensor, rows_per_chunk: int, top_k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`select_past_chunks` for a layout without documents, where row r's own chunk is
-    ``r // rows_per_chunk``: groups of whole query chunks, no bias beyond their top rows.
+    ``r // rows_per_chunk``: groups of whole query chunks, masked in their top rows only.
 
     ``rows: [B, H, R, D]`` fp32, ``means: [B, H_kv, N, D]`` fp32. Each group of query chunks
     scores its past chunks latest first, so the first maximum ``max`` returns is the later
@@ -151,33 +154,26 @@ def select_past_chunks_on_grid(
     B, H, R, D = rows.shape
     H_kv, N = means.shape[1], means.shape[2]
     P = min(top_k - 1, N - 1)
-    # Each slot's maximum and chunk + 1, for all groups: chunk 0 and -inf (invalid) where no group writes.
-    ranks = rows.new_ones(B, H_kv, H // H_kv, P, R)
+    # Each slot's chunk and maximum, for all groups: chunk 0 and -inf (invalid) where no group writes.
+    chunks = rows.new_zeros((B, H_kv, H // H_kv, P, R), dtype=torch.long)
     maxima = rows.new_full((B, H_kv, H // H_kv, P, R), float("-inf"))
     by_column = rows.view(B, H_kv, H // H_kv, R, D).transpose(-1, -2)  # [B, H_kv, g, D, R], a view
     latest_first = means.flip(2)[:, :, None]  # [B, H_kv, 1, N, D]: row i is chunk N-1-i
     groups = query_chunk_groups(N, B * H * R * (N - 1) // 2) if P else []
     spans = [(first, end, slice(first * rows_per_chunk, min(end * rows_per_chunk, R))) for first, end in groups]
-    # Two buffers for every group's scores and work: fresh ones per group cost page faults on CPU.
+    # One buffer for every group's scores: fresh ones per group cost page faults on CPU.
     largest = max((B * H * (end - 1) * (columns.stop - columns.start) for _, end, columns in spans), default=0)
-    scores_buffer, work_buffer = rows.new_empty(largest), rows.new_empty(largest)
-    biases = {}
+    scores_buffer = rows.new_empty(largest)
     for first, end, columns in spans:
         n_past = end - 1  # the group's past: chunks 0 .. end-2, as score rows end-2 .. 0
         shape = (B, H_kv, H // H_kv, n_past, columns.stop - columns.start)
         scores = scores_buffer[:math.prod(shape)].view(shape)
         fp32_matmul(latest_first[:, :, :, N - n_past:], by_column[..., columns], out=scores)
-        if end - first > 1:  # the top rows, chunks first .. end-2, are not in the past of every column
-            key = (end - first, shape[-1])
-            if key not in biases:
-                biases[key] = _not_past_bias(end - first - 1, key[1], rows_per_chunk, rows.device)
-            scores[..., :end - first - 1, :].add_(biases[key])
-        _nan_to_minus_inf(scores)  # inf - inf: not past
+        _fill_not_past(scores, end - first - 1, rows_per_chunk)  # the top rows: chunks first .. end-2
         taken = min(P, n_past)
-        _rank_maxima(scores, work_buffer[:scores.numel()].view(shape),
-                     ranks[..., :taken, columns], maxima[..., :taken, columns])
+        _slot_maxima(scores, chunks[..., :taken, columns], maxima[..., :taken, columns])
     per_head = lambda x: x.view(B, H, P, R).transpose(-1, -2)  # noqa: E731
-    return per_head(ranks.sub_(1).long()), per_head(maxima > float("-inf"))
+    return per_head(chunks), per_head(maxima > float("-inf"))
 
 
 def select_past_chunks(
@@ -241,8 +237,7 @@ def _span_maxima(latest_first, rows, start: int, end: int, own, first, low: int,
         per_column.masked_fill_(not_past, float("-inf"))
     else:  # a masked fill of many scores costs more than adding a bias
         per_column.add_(torch.zeros(not_past.shape, device=scores.device).masked_fill_(not_past, float("-inf")))
-    _nan_to_minus_inf(scores)  # inf - inf: not past
-    chunks, valid = _latest_first_maxima(scores, min(count, n))
+    chunks, valid = _latest_first_maxima(scores, min(count, n))  # inf - inf: NaN, never selected
     if every_position:  # [B, H_kv, taken, g * S] -> [B, H_kv, g, taken, S]
         chunks, valid = (x.view(B, H_kv, -1, g, S).transpose(2, 3) for x in (chunks, valid))
     return chunks.add(low) if low else chunks, valid
@@ -256,7 +251,7 @@ def position_spans(own: torch.Tensor, heads: int, n_global: int,
     :func:`query_chunk_groups`), on CPU; elsewhere, and when one span is worth it, one span of every
     chunk: its bounds need no host read (a device sync off CPU)."""
     B, S = own.shape
-    n_spans = min(MAX_QUERY_GROUPS, S, max(1, round(math.sqrt(B * heads * S * n_global / 2 / GROUP_SCORES))))
+    n_spans = min(MAX_QUERY_GROUPS, S, max(1, round(math.sqrt(B * heads * S * n_global / 2 / SPAN_SCORES))))
     if n_spans == 1 or own.device.type != "cpu":
         return [(0, S, 0, n_global)]
     bounds = [S * i // n_spans for i in range(n_spans + 1)]
@@ -273,14 +268,13 @@ def _nan_to_minus_inf(scores: torch.Tensor) -> torch.Tensor:
     return scores.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
 
 
-def _not_past_bias(n_rows: int, n_columns: int, rows_per_chunk: int, device) -> torch.Tensor:
-    """``[n_rows, n_columns]`` fp32 for the top score rows of a group of query chunks: row i is chunk
-    ``n_rows - 1 - i`` counted from the group's first chunk, column r a row of chunk ``r // rows_per_chunk``
-    of the group; -inf where that chunk is the row's own or later, else 0. Added to the scores, as a
-    masked fill costs far more."""
-    own = torch.arange(n_columns, device=device) // rows_per_chunk
-    chunk = n_rows - 1 - torch.arange(n_rows, device=device)[:, None]
-    return torch.zeros(n_rows, n_columns, device=device).masked_fill_(chunk >= own, float("-inf"))
+def _fill_not_past(scores: torch.Tensor, n_rows: int, rows_per_chunk: int) -> None:
+    """-inf, in place, where the top ``n_rows`` rows of a group's ``scores: [..., n_past, columns]`` are not
+    past: row i is chunk ``n_rows - 1 - i`` counted from the group's first chunk, column r a row of its
+    chunk ``r // rows_per_chunk``, so row i's first ``(n_rows - i) * rows_per_chunk`` columns (that chunk's
+    rows and the earlier chunks') are not past. One fill per row: half the time of adding a -inf bias."""
+    for i in range(n_rows):
+        scores[..., i, :(n_rows - i) * rows_per_chunk].fill_(float("-inf"))
 
 
 # Up to this many scores, ``max`` with its indices (one call per slot) costs less than the amax
@@ -289,20 +283,22 @@ FEW_SCORES = 2**14
 
 
 def _latest_first_maxima(scores: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``count`` best chunks of each column of ``scores: [..., n_past, r]`` (contiguous, no NaN;
-    row i is past chunk ``n_past - 1 - i``) as ``(chunk indices, valid)``, each ``[..., count, r]``,
-    best first; overwrites ``scores``. Of equal maxima the first row, the later chunk, wins."""
+    """The ``count`` best chunks of each column of ``scores: [..., n_past, r]`` (contiguous; row i is past
+    chunk ``n_past - 1 - i``) as ``(chunk indices, valid)``, each ``[..., count, r]``, best first;
+    overwrites ``scores``. Of equal maxima the first row, the later chunk, wins; a NaN or -inf score
+    is never selected."""
     if scores.numel() <= FEW_SCORES:
         return _latest_first_maxima_by_max(scores, count)
     shape = (*scores.shape[:-2], count, scores.shape[-1])
-    ranks, maxima = scores.new_empty(shape), scores.new_empty(shape)
-    _rank_maxima(scores, torch.empty_like(scores), ranks, maxima)
-    return ranks.sub_(1).long(), maxima > float("-inf")
+    chunks, maxima = scores.new_empty(shape, dtype=torch.long), scores.new_empty(shape)
+    _slot_maxima(scores, chunks, maxima)
+    return chunks, maxima > float("-inf")
 
 
 def _latest_first_maxima_by_max(scores: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_latest_first_maxima` with one ``max`` call per slot: cheaper on few scores."""
     n_past = scores.shape[-2]
+    _nan_to_minus_inf(scores)
     rows, maxima = [], []
     for slot in range(count):
         best, row = scores.max(-2, keepdim=True)
@@ -313,28 +309,66 @@ def _latest_first_maxima_by_max(scores: torch.Tensor, count: int) -> tuple[torch
     return n_past - 1 - torch.cat(rows, -2), torch.cat(maxima, -2) > float("-inf")
 
 
-def _rank_maxima(scores: torch.Tensor, work: torch.Tensor, ranks: torch.Tensor, maxima: torch.Tensor) -> None:
-    """:func:`_latest_first_maxima` by ``amax`` passes, into ``maxima`` and ``ranks`` (chunk + 1), each
-    ``[..., count, r]`` fp32; overwrites ``scores`` and ``work`` (``scores``' shape).
+# Devices on which a slot's maxima come from max_pool2d (:func:`_pooled_maxima`); elsewhere from amax
+# passes (:func:`_ranked_maxima`), as CUDA's pooling kernel takes 32-bit offsets.
+POOLED_MAXIMA_DEVICES = ("cpu",)
 
-    ``max`` returns the first row holding the maximum; on many scores the same row comes from
-    ``amax`` over rows ranked ``n_past .. 1`` (chunk + 1) where the score equals the column's
-    maximum, whose passes cost a tenth of ``max`` with indices on CPU. The comparison writes fp32
-    (1.0 where equal): CPU comparisons writing bool run at a quarter of that speed. A taken chunk
-    is set to -inf, one element per column addressed in the flat scores.
-    """
+
+def _slot_maxima(scores: torch.Tensor, chunks: torch.Tensor, maxima: torch.Tensor) -> None:
+    """:func:`_latest_first_maxima` on many scores, into ``chunks`` (long) and ``maxima`` (fp32, -inf where
+    no chunk is left), each ``[..., count, r]``; overwrites ``scores``. A taken chunk is set to -inf, one
+    element per column addressed in the flat scores."""
+    maxima_of = _pooled_maxima if scores.device.type in POOLED_MAXIMA_DEVICES else _ranked_maxima
+    maxima_of(scores, chunks, maxima)
+
+
+def _column_offsets(scores: torch.Tensor, row: int) -> torch.Tensor:
+    """``[N, r]`` flat index of row ``row`` of each column of ``scores: [..., n_past, r]`` (contiguous)."""
     n_past, r = scores.shape[-2], scores.shape[-1]
-    rank = torch.arange(n_past, 0, -1, dtype=scores.dtype, device=scores.device)[:, None]
-    count = ranks.shape[-2]
-    if count > 1:  # flat index of (row 0, column) of each (batch, head) block, plus the row of rank 0
-        first = torch.arange(0, scores.numel(), n_past * r, device=scores.device)[:, None]
-        row_zero = (first + torch.arange(r, device=scores.device)).add_(n_past * r).view(ranks[..., :1, :].shape)
+    first = torch.arange(row * r, scores.numel(), n_past * r, device=scores.device)[:, None]
+    return first + torch.arange(r, device=scores.device)
+
+
+def _pooled_maxima(scores: torch.Tensor, chunks: torch.Tensor, maxima: torch.Tensor) -> None:
+    """:func:`_slot_maxima` by ``max_pool2d`` over each column: viewed channels last (a column per
+    channel), the CPU kernel returns every column's maximum and the first row holding it in one
+    vectorised pass, about a third of the time of :func:`_ranked_maxima`'s passes."""
+    n_past, r = scores.shape[-2], scores.shape[-1]
+    planes = scores.view(-1, n_past, 1, r).permute(0, 3, 1, 2)  # [N, r, n_past, 1], channels last: a view
+    count = chunks.shape[-2]
+    for slot in range(count):
+        best, row = F.max_pool2d(planes, (n_past, 1), return_indices=True)  # [N, r, 1, 1] each
+        if slot == 0 and torch.amax(best).isnan():  # a NaN wins its column: clear them all (a host read, CPU)
+            _nan_to_minus_inf(scores)
+            best, row = F.max_pool2d(planes, (n_past, 1), return_indices=True)
+        maxima.select(-2, slot).copy_(best.view(maxima.select(-2, slot).shape))
+        chunks.select(-2, slot).copy_(row.view(chunks.select(-2, slot).shape))  # the row, for now
+        if slot + 1 < count:
+            if slot == 0:
+                row_zero = _column_offsets(scores, 0)
+            scores.view(-1).index_fill_(0, torch.add(row_zero, row.view(row_zero.shape), alpha=r).view(-1),
+                                        float("-inf"))
+    chunks.neg_().add_(n_past - 1)  # row i is chunk n_past - 1 - i
+
+
+def _ranked_maxima(scores: torch.Tensor, chunks: torch.Tensor, maxima: torch.Tensor) -> None:
+    """:func:`_slot_maxima` by ``amax`` passes: ``max`` returns the first row holding the maximum; the
+    same row comes from ``amax`` over the rows' chunks where the score equals the column's maximum,
+    whose passes cost a tenth of ``max`` with indices on CPU. The comparison writes fp32 (1.0 where
+    equal): CPU comparisons writing bool run at a quarter of that speed."""
+    n_past, r = scores.shape[-2], scores.shape[-1]
+    chunk = torch.arange(n_past - 1, -1, -1, dtype=scores.dtype, device=scores.device)[:, None]
+    _nan_to_minus_inf(scores)
+    work = torch.empty_like(scores)
+    count = chunks.shape[-2]
+    if count > 1:
+        row_last = _column_offsets(scores, n_past - 1).view(chunks[..., :1, :].shape)
     for slot in range(count):
         best = torch.amax(scores, -2, keepdim=True, out=maxima[..., slot:slot + 1, :])
-        taken = torch.amax(torch.eq(scores, best, out=work).mul_(rank), -2, keepdim=True,
-                           out=ranks[..., slot:slot + 1, :])
-        if slot + 1 < count:  # row n_past - rank of each column
-            scores.view(-1).index_fill_(0, torch.add(row_zero, taken.long(), alpha=-r).view(-1), float("-inf"))
+        taken = chunks[..., slot:slot + 1, :]
+        taken.copy_(torch.amax(torch.eq(scores, best, out=work).mul_(chunk), -2, keepdim=True))
+        if slot + 1 < count:  # row n_past - 1 - chunk of each column
+            scores.view(-1).index_fill_(0, torch.add(row_last, taken, alpha=-r).view(-1), float("-inf"))
 
 
 def select_before_chunk(
@@ -353,7 +387,6 @@ def select_before_chunk(
     if taken:
         by_column = rows.reshape(B, H_kv, (H // H_kv) * R, D).transpose(-1, -2)
         scores = fp32_matmul(means[:, :, :own], by_column).flip(2)  # [B, H_kv, own, g * R], latest first
-        _nan_to_minus_inf(scores)
         indices, valid = _latest_first_maxima(scores, taken)
     else:
         indices = valid = rows.new_empty(B, H_kv, 0, (H // H_kv) * R)

@@ -81,8 +81,19 @@ def exclusive_cumsum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.cumsum(x, dim) - x
 
 
+def floor_divide(x: torch.Tensor, divisor: int) -> torch.Tensor:
+    """``x // divisor`` of non-negative ints: a shift where ``divisor`` is a power of two (int64 division
+    takes 7x its time on CPU)."""
+    if divisor & (divisor - 1) == 0:
+        return x >> (divisor.bit_length() - 1)
+    return torch.div(x, divisor, rounding_mode="floor")
+
+
 def sort_key_dtype(max_value: int) -> torch.dtype:
-    """The smallest integer type holding ``0 .. max_value``, for sort keys."""
+    """The smallest integer type holding ``0 .. max_value``, for sort keys (a stable sort of uint8 keys
+    takes 0.6x the time of int16 ones on CPU)."""
+    if max_value < 2**8:
+        return torch.uint8
     return torch.int16 if max_value < 2**15 else torch.int32 if max_value < 2**31 else torch.long
 
 
@@ -100,20 +111,25 @@ def past_pairs(selection: Selection, kv_heads: int) -> PastPairs:
     key_type = sort_key_dtype(n_buckets)  # "unused" is bucket n_buckets
     kv_row = (torch.arange(B, device=device)[:, None] * kv_heads
               + torch.arange(H, device=device) // (H // kv_heads))  # [B, H]
-    first_bucket = (kv_row[:, :, None] * n_global + layout.first_global_chunk[:, None, :]).to(key_type)  # [B, H, S]
-    bucket = torch.where(selection.past_valid, selection.past_chunks.to(key_type) + first_bucket[..., None],
-                         n_buckets).flatten()
+    first_bucket = kv_row[:, :, None] * n_global  # [B, H, 1]: on the grid, every chunk counts from 0
+    if layout.has_documents:  # [B, H, S]: local chunks count from each document's first
+        first_bucket = first_bucket + layout.first_global_chunk[:, None, :]
+    first_bucket = first_bucket.to(key_type)[..., None]
+    bucket = torch.where(selection.past_valid, selection.past_chunks.to(key_type) + first_bucket, n_buckets).flatten()
     slot = torch.argsort(bucket, stable=True)  # flat index in [B, H, S, P]
     counts = torch.bincount(bucket, minlength=n_buckets + 1)[:n_buckets]
     used = counts.nonzero().squeeze(1)
     count = counts[used]
     offset = exclusive_cumsum(count, 0)
-    b, h, s, p = torch.unravel_index(slot[offset], (B, H, S, P))  # each segment's first pair: where its chunk starts
-    starts = layout.doc_start[b, s] + selection.past_chunks[b, h, s, p] * layout.chunk_size
+    if layout.has_documents:  # a chunk's start from each segment's first pair
+        b, h, s, p = torch.unravel_index(slot[offset], (B, H, S, P))
+        starts = (layout.doc_start[b, s] + selection.past_chunks[b, h, s, p] * layout.chunk_size).tolist()
+    else:  # a bucket's chunk is its global chunk
+        starts = [row % n_global * layout.chunk_size for row in used.tolist()]
     segments = [Segment(o, c, row // n_global, start, layout.chunk_size) for o, c, row, start
-                in zip(offset.tolist(), count.tolist(), used.tolist(), starts.tolist(), strict=True)]
+                in zip(offset.tolist(), count.tolist(), used.tolist(), starts, strict=True)]
     slot = slot[:sum(seg.count for seg in segments)]
-    return PastPairs(torch.div(slot, P, rounding_mode="floor") if P else slot, segments)
+    return PastPairs(floor_divide(slot, P) if P else slot, segments)
 
 
 @dataclass(frozen=True)
@@ -350,14 +366,17 @@ def pair_blocks(pairs: PastPairs, key_len: int, chunk: int, unit: int, width: in
     first_row = (first_unit[size_segment] + block_in_size * block_units) * unit
     sizes = tuple((u * unit, n) for u, n in zip(BLOCK_UNITS, n_blocks, strict=True) if n)
     per_block = (x[:, None].split([n for _, n in sizes]) for x in (first_row, count[segment] - 1, offset[segment]))
-    queries, paddings = [], []
-    for (R, _), first, last, base in zip(sizes, *per_block, strict=True):  # rows [n, R] per size
-        local = first + torch.arange(R, device=device)
-        pair = torch.minimum(local, last).add_(base)  # padding rows: the segment's last pair
-        queries.append(pairs.query.index_select(0, pair.flatten()))  # index_select: 2.4x faster than indexing
-        paddings.append((local > last).flatten())
+    rows_per_size = [R * n for R, n in sizes]
+    query_of_row = pairs.query.new_empty(sum(rows_per_size))
+    is_padding = torch.empty(len(query_of_row), dtype=torch.bool, device=device)
+    for (R, n), first, last, base, queries, padding in zip(
+            sizes, *per_block, query_of_row.split(rows_per_size), is_padding.split(rows_per_size), strict=True):
+        local = first + torch.arange(R, device=device)  # [n, R] each block's rows in its segment
+        torch.gt(local, last, out=padding.view(n, R))
+        pair = torch.minimum(local, last, out=local).add_(base)  # padding rows: the segment's last pair
+        torch.index_select(pairs.query, 0, pair.view(-1), out=queries)  # index_select: 2.4x faster than indexing
     keys = (first_key[segment, None] + torch.arange(chunk, device=device)).flatten()
-    return PairBlocks(sizes, torch.cat(queries), keys, torch.cat(paddings).nonzero().squeeze(1))
+    return PairBlocks(sizes, query_of_row, keys, is_padding.nonzero().squeeze(1))
 
 
 @dataclass(frozen=True)

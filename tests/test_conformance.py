@@ -13,6 +13,7 @@ from flexmoba import moba_attention_varlen
 
 import conformance_cases
 from conformance_cases import FILES, N_CASES, REQUIRE_ENV, load_cases, missing_files, require_vectors, required
+from maxima_paths import MAXIMA_PATHS, maxima_path
 
 CASES = load_cases()
 CASE_IDS = [case["name"] for case in CASES]
@@ -58,6 +59,15 @@ def test_differentiable_backends_match_official_forward_and_gradients(case, back
     (out * case["grad_out"]).sum().backward()
     for name, tensor in zip("qkv", (q, k, v), strict=True):
         torch.testing.assert_close(tensor.grad, case["d" + name], atol=GRAD_TOL, rtol=0, msg=f"d{name}")
+
+
+@pytest.mark.parametrize("path", MAXIMA_PATHS)
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_every_maxima_path_matches_official_forward(case, path, conformance_dir):
+    """The vectors' small problems reach one way of taking the gate's maxima; each is forced here."""
+    with torch.no_grad(), maxima_path(path):
+        out = run(case, "gather", case["q"], case["k"], case["v"])
+    torch.testing.assert_close(out, case["out"], atol=OUT_TOL, rtol=0)
 
 
 @pytest.mark.slow

@@ -31,6 +31,7 @@ from flexmoba.gather import BLOCK_UNITS, QUERY_BLOCK
 from flexmoba.kv_cache import ChunkKeySums, MoBAKVCache
 
 import oracle
+from maxima_paths import MAXIMA_PATHS, maxima_path
 from strategies import Problem, divisors, document_ids, random_inputs, run_backend, seeded_randn
 
 BACKENDS = ["sdpa", "gather", "reference"]  # every backend with CPU gradients; "reference": moba_reference
@@ -93,19 +94,15 @@ def test_exact_ties_go_to_the_later_chunk(n_chunks):
     assert sorted(past[0, :, 0].flatten().tolist()) == sorted([last - 1, last - 2, last - 3] * 2)
 
 
-@pytest.mark.parametrize("few_scores", [0, 2**62], ids=["amax_passes", "max_indices"])
+@pytest.mark.parametrize("path", MAXIMA_PATHS)
 @given(st.lists(st.floats(allow_nan=False, width=32) | st.sampled_from([0.0, -0.0]), min_size=1, max_size=12))
-def test_maxima_order_as_score_then_later_chunk(few_scores, scores):
-    """Scores of chunks ``0 .. n-1`` of one query, in every order the gate takes maxima: equal floats tie
+def test_maxima_order_as_score_then_later_chunk(path, scores):
+    """Scores of chunks ``0 .. n-1`` of one query, on every path the gate takes maxima: equal floats tie
     (0.0 and -0.0 included, though their bits differ) and the later chunk wins; -inf is never taken."""
     n = len(scores)
-    original = gate.FEW_SCORES
-    gate.FEW_SCORES = few_scores  # hypothesis runs many examples per test call: no monkeypatch fixture
-    try:
+    with maxima_path(path):
         latest_first = torch.tensor(scores[::-1], dtype=torch.float32)[:, None]  # row i: chunk n - 1 - i
         chunks, valid = gate._latest_first_maxima(latest_first, n)
-    finally:
-        gate.FEW_SCORES = original
     by_rule = sorted(range(n), key=lambda j: (scores[j], j), reverse=True)
     taken = [j for j in by_rule if scores[j] > float("-inf")]
     assert chunks[:len(taken), 0].tolist() == taken and valid[:, 0].tolist() == [True] * len(taken) + [False] * (
@@ -139,15 +136,16 @@ def decode_in_pieces(q, k, v, chunk, top_k, pieces, backend="auto"):
     return torch.cat(outs, 2)
 
 
-@pytest.mark.parametrize("few_scores", [0, 2**62], ids=["amax_passes", "max_indices"])
-def test_tied_gate_scores_decode_equals_oracle_on_both_maxima_paths(few_scores, monkeypatch):
-    """Decoding's gate takes a slot's maximum by ``max`` with indices on few scores, by ``amax``
-    over ranked rows on many (as the prefill gate always does); small problems only reach the
-    first, so each is forced here."""
-    monkeypatch.setattr(gate, "FEW_SCORES", few_scores)
+@pytest.mark.parametrize("path", MAXIMA_PATHS)
+def test_tied_gate_scores_decode_equals_oracle_on_every_maxima_path(path):
+    """Decoding's gate takes a slot's maximum by ``max`` with indices on few scores, by pooling or
+    ``amax`` passes on many (:mod:`maxima_paths`); small problems only reach the first, so each is
+    forced here."""
     q, k, v = integer_inputs(7, 2, 4, 2, 44, 4)
     expected = oracle.attention(q, k, v, 8, 3).float()
-    torch.testing.assert_close(decode_in_pieces(q, k, v, 8, 3, [1] * 44), expected, atol=1e-5, rtol=1e-5)
+    with maxima_path(path):
+        out = decode_in_pieces(q, k, v, 8, 3, [1] * 44)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 def every_chunk_span(own, heads, n_global, first=None):
@@ -156,25 +154,43 @@ def every_chunk_span(own, heads, n_global, first=None):
 
 
 @pytest.mark.parametrize("spans", [gate.position_spans, every_chunk_span], ids=["cpu_spans", "every_chunk"])
-@pytest.mark.parametrize("few_scores", [0, 2**62], ids=["amax_passes", "max_indices"])
+@pytest.mark.parametrize("path", MAXIMA_PATHS)
 @given(tied_problems())
-def test_tied_gate_scores_with_documents_equal_oracle_on_both_maxima_paths(spans, few_scores, problem):
+def test_tied_gate_scores_with_documents_equal_oracle_on_every_maxima_path(spans, path, problem):
     """With documents the gate scores spans of positions against the chunks they may select, latest
-    first, a -inf bias off each position's document past, and takes maxima like decoding's gate: by
-    ``max`` with indices on few scores, by ``amax`` over ranked rows on many. Small problems only
-    reach the first, so each is forced here; so are many spans (small problems fill one) and the one
-    span other devices use."""
+    first, a -inf bias off each position's document past, and takes maxima like decoding's gate
+    (:mod:`maxima_paths`). Small problems only reach ``max`` with indices, so each path is forced
+    here; so are many spans (small problems fill one) and the one span other devices use."""
     B, S = problem.q.shape[0], problem.q.shape[2]
     ids = problem.document_ids if problem.document_ids is not None else torch.zeros(B, S, dtype=torch.long)
     kwargs = {**problem.kwargs, "document_ids": ids}
-    original = gate.FEW_SCORES, gate.position_spans, gate.GROUP_SCORES
+    original = gate.position_spans, gate.SPAN_SCORES
     # hypothesis runs many examples per test call: no monkeypatch fixture
-    gate.FEW_SCORES, gate.position_spans, gate.GROUP_SCORES = few_scores, spans, 1
+    gate.position_spans, gate.SPAN_SCORES = spans, 1
     try:
-        mask = dense_moba_mask(select_chunks(problem.q, problem.k, **kwargs))
+        with maxima_path(path):
+            mask = dense_moba_mask(select_chunks(problem.q, problem.k, **kwargs))
     finally:
-        gate.FEW_SCORES, gate.position_spans, gate.GROUP_SCORES = original
+        gate.position_spans, gate.SPAN_SCORES = original
     assert torch.equal(mask, oracle.dense_mask(problem.q, problem.k, **kwargs)), problem
+
+
+@pytest.mark.parametrize("path", ["pooled", "amax_passes"])
+@given(tied_problems())
+def test_tied_gate_scores_on_the_grid_equal_oracle_on_both_maxima_paths(path, problem):
+    """Without documents the gate ranks groups of whole query chunks, pooled on CPU and by ``amax``
+    passes elsewhere; each is forced here, in one group and in one group per query chunk."""
+    kwargs = {**problem.kwargs, "document_ids": None}
+    expected = oracle.dense_mask(problem.q, problem.k, **kwargs)
+    for group_scores in (gate.GROUP_SCORES, 1):
+        original = gate.GROUP_SCORES
+        gate.GROUP_SCORES = group_scores
+        try:
+            with maxima_path(path):
+                mask = dense_moba_mask(select_chunks(problem.q, problem.k, **kwargs))
+        finally:
+            gate.GROUP_SCORES = original
+        assert torch.equal(mask, expected), (group_scores, problem)
 
 
 @given(tied_problems())

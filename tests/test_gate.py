@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from flexmoba import dense_moba_mask, gate, moba_selection, select_chunks
 
 import oracle
+from maxima_paths import maxima_path
 from strategies import EXAMPLES, describe, more_examples, problems, with_examples
 
 
@@ -53,13 +54,25 @@ def test_selection_equals_oracle(problem):
 @with_examples()
 @given(problems())
 def test_selection_in_one_group_per_query_chunk_equals_oracle(problem):
-    """Small problems score all query chunks as one group; this scores each apart (up to 16 groups)."""
-    original = gate.GROUP_SCORES
-    gate.GROUP_SCORES = 1
+    """Small problems score all query chunks as one group; this scores each apart (up to 16 groups, or
+    spans of positions with documents)."""
+    original = gate.GROUP_SCORES, gate.SPAN_SCORES
+    gate.GROUP_SCORES = gate.SPAN_SCORES = 1
     try:
         got = dense_moba_mask(select_chunks(problem.q, problem.k, **problem.kwargs))
     finally:
-        gate.GROUP_SCORES = original
+        gate.GROUP_SCORES, gate.SPAN_SCORES = original
+    assert torch.equal(got, oracle.dense_mask(problem.q, problem.k, **problem.kwargs)), problem
+
+
+@pytest.mark.parametrize("path", ["pooled", "amax_passes"])
+@with_examples()
+@given(problems())
+def test_selection_on_many_scores_equals_oracle_on_both_maxima_paths(path, problem):
+    """Small problems rank few scores (``max`` with indices) except on the grid, which CPU pools: each
+    path for many scores, the CPU's and other devices', forced on every problem."""
+    with maxima_path(path):
+        got = dense_moba_mask(select_chunks(problem.q, problem.k, **problem.kwargs))
     assert torch.equal(got, oracle.dense_mask(problem.q, problem.k, **problem.kwargs)), problem
 
 
@@ -255,3 +268,16 @@ def test_low_precision_gate_takes_a_top_k_of_the_official_scores(dtype, problem)
         if picked and left:
             slack = 1e-6 * max(1.0, abs(max(left)))
             assert min(picked) >= max(left) - slack, (problem, b, h, t, picked, left)
+
+
+@pytest.mark.parametrize("documents", [False, True], ids=["grid", "documents"])
+def test_the_gate_selects_in_fp32_under_bf16_autocast(documents):
+    """A model trained under CPU autocast gates as without it: the score products and the pooled maxima
+    stay fp32 (bf16 products would reorder near-equal chunks)."""
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 4, 4096, 16), torch.randn(1, 2, 4096, 16)
+    ids = (torch.arange(4096) // 1500)[None] if documents else None
+    expected = select_chunks(q, k, chunk_size=64, top_k=4, document_ids=ids)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = select_chunks(q, k, chunk_size=64, top_k=4, document_ids=ids)
+    assert torch.equal(got.chunks, expected.chunks)

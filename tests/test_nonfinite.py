@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from flexmoba import MoBAKVCache, gate, moba_attention, moba_decode_attention, moba_selection
+from flexmoba import MoBAKVCache, moba_attention, moba_decode_attention, moba_selection
+
+from maxima_paths import MAXIMA_PATHS, maxima_path
 
 
 def test_nan_key_chunk_is_never_selected_as_a_past_chunk():
@@ -34,6 +36,23 @@ def test_nan_key_chunk_is_never_selected_as_a_past_chunk():
     torch.testing.assert_close(flex[0, 0, :20], clean[0, 0, :20], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("path", MAXIMA_PATHS)
+@pytest.mark.parametrize("documents", [False, True], ids=["grid", "documents"])
+def test_nan_scores_never_win_a_slot_on_any_maxima_path(documents, path):
+    """NaN gate scores (a NaN key's chunk for every later query; every chunk for a NaN query) are never
+    selected, on every path the gate takes maxima, while finite chunks still fill the slots."""
+    q, k = torch.randn(1, 1, 64, 8), torch.randn(1, 1, 64, 8)
+    k[0, 0, 20] = float("nan")  # chunk 2's mean
+    q[0, 0, 50] = float("nan")
+    ids = torch.zeros(1, 64, dtype=torch.long) if documents else None
+    with maxima_path(path):
+        chunks = moba_selection(q, k, chunk_size=8, top_k=3, document_ids=ids)[0, 0]
+    later = torch.arange(24, 64) != 50
+    assert not chunks[24:64][later, 2].any()
+    assert (chunks[32:64][torch.arange(32, 64) != 50].sum(-1) == 3).all()
+    assert chunks[50].nonzero().flatten().tolist() == [6]
+
+
 def test_nan_query_selects_only_its_own_chunk():
     q, k = torch.randn(1, 1, 64, 8), torch.randn(1, 1, 64, 8)
     q[0, 0, 50] = float("nan")
@@ -57,16 +76,16 @@ def test_decode_does_not_read_the_values_of_a_nan_chunk_it_did_not_select():
     torch.testing.assert_close(out, expected)
 
 
-@pytest.mark.parametrize("few_scores", [0, 2**62], ids=["amax_passes", "max_indices"])
+@pytest.mark.parametrize("path", MAXIMA_PATHS)
 @pytest.mark.parametrize("documents", [False, True], ids=["grid", "documents"])
-def test_infinite_gate_scores_minus_inf_is_never_selected_plus_inf_wins(documents, few_scores, monkeypatch):
+def test_infinite_gate_scores_minus_inf_is_never_selected_plus_inf_wins(documents, path):
     """A chunk whose gate score is -inf is never selected, even with a free slot; one at +inf wins
-    its slot. With documents (one here) the gate takes its other path; both maxima paths forced."""
-    monkeypatch.setattr(gate, "FEW_SCORES", few_scores)
+    its slot. With documents (one here) the gate takes its other path; every maxima path forced."""
     q, k = torch.ones(1, 1, 40, 1), torch.randn(1, 1, 40, 1, generator=torch.Generator().manual_seed(0))
     k[0, 0, 8:16] = float("-inf")  # chunk 1 scores -inf
     k[0, 0, 24:32] = float("inf")  # chunk 3 scores +inf
     ids = torch.zeros(1, 40, dtype=torch.long) if documents else None
-    chunks = moba_selection(q, k, chunk_size=8, top_k=3, document_ids=ids)[0, 0]
+    with maxima_path(path):
+        chunks = moba_selection(q, k, chunk_size=8, top_k=3, document_ids=ids)[0, 0]
     assert chunks[16:24].nonzero()[:, 1].unique().tolist() == [0, 2], "two past slots, chunk 1 left free"
     assert chunks[32:40, 3].all() and not chunks[32:40, 1].any()

@@ -1,0 +1,32 @@
+"""The three ways the gate takes each slot's maximum, forced in turn.
+
+Which one runs depends on the device and on how many scores a call ranks: ``max`` with indices
+on few scores, ``max_pool2d`` on many on CPU, ``amax`` passes on many elsewhere (GPUs). Small
+test problems reach only the first, and CPU runs never reach the last, so the tests that pin the
+tie rule and non-finite scores run under each.
+"""
+
+import contextlib
+
+from flexmoba import gate
+
+# path: (gate.FEW_SCORES, gate.POOLED_MAXIMA_DEVICES)
+MAXIMA_PATHS = {
+    "max_indices": (2**62, ("cpu",)),
+    "pooled": (0, ("cpu",)),
+    "amax_passes": (0, ()),
+}
+
+
+@contextlib.contextmanager
+def maxima_path(name: str):
+    """Force one maxima path (a context, not a fixture: hypothesis runs many examples per test call).
+
+    The grid gate ranks every group of query chunks as many scores: ``max_indices`` leaves it pooled.
+    """
+    original = gate.FEW_SCORES, gate.POOLED_MAXIMA_DEVICES
+    gate.FEW_SCORES, gate.POOLED_MAXIMA_DEVICES = MAXIMA_PATHS[name]
+    try:
+        yield
+    finally:
+        gate.FEW_SCORES, gate.POOLED_MAXIMA_DEVICES = original
