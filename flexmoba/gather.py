@@ -338,6 +338,22 @@ def index_add_parts(out: torch.Tensor, index: torch.Tensor, parts: list[torch.Te
         out.index_add_(0, part_index, part)
 
 
+def _blocks_per_size(segments: list[Segment], unit: int, key_len: int) -> list[list[tuple[int, int, int]]]:
+    """Per block size (:data:`BLOCK_UNITS`), its blocks segment after segment, each as (its first pair,
+    its segment's last pair, the flat index of its chunk's first key). A few hundred blocks: host
+    arithmetic costs less than the tensor calls it replaces."""
+    per_size = [[] for _ in BLOCK_UNITS]
+    for seg in segments:
+        whole, rest = divmod(-(-seg.count // unit), BLOCK_UNITS[0])
+        counts = (whole, *(rest // u % 2 for u in BLOCK_UNITS[1:]))  # under 12 units: binary digits
+        first, last, key = seg.offset, seg.offset + seg.count - 1, seg.kv_row * key_len + seg.start
+        for blocks, u, n in zip(per_size, BLOCK_UNITS, counts, strict=True):
+            for _ in range(n):
+                blocks.append((first, last, key))
+                first += u * unit
+    return per_size
+
+
 def pair_blocks(pairs: PastPairs, key_len: int, chunk: int, unit: int, width: int) -> PairBlocks | None:
     """:class:`PairBlocks` of the pairs (blocks of ``unit * BLOCK_UNITS`` rows), or None where a segment
     is not a whole chunk or the copies of keys and values (``width`` = D + Dv fp32 columns per key)
@@ -345,37 +361,23 @@ def pair_blocks(pairs: PastPairs, key_len: int, chunk: int, unit: int, width: in
     segments = pairs.segments
     if not segments or any(seg.length != chunk for seg in segments):
         return None
-    device = pairs.query.device
-    offset, count, first_key = torch.tensor(
-        [(seg.offset, seg.count, seg.kv_row * key_len + seg.start) for seg in segments], device=device).unbind(1)
-    units = torch.div(count + unit - 1, unit, rounding_mode="floor")
-    rest = units % BLOCK_UNITS[0]  # under 12 units: at most one block of each smaller size, its binary digits
-    per_size = torch.stack([units // BLOCK_UNITS[0]] + [rest // u % 2 for u in BLOCK_UNITS[1:]])  # [sizes, segments]
-    size_units = torch.tensor(BLOCK_UNITS, device=device)[:, None]
-    first_unit = exclusive_cumsum(per_size * size_units, 0)  # where each size starts in its segment
-    n_blocks = per_size.sum(1).tolist()
-    if sum(n_blocks) * chunk * width * 4 > BATCHED_PAIRS_MAX_BYTES:
+    per_size = _blocks_per_size(segments, unit, key_len)
+    sizes = tuple((u * unit, len(blocks)) for u, blocks in zip(BLOCK_UNITS, per_size, strict=True) if blocks)
+    if sum(n for _, n in sizes) * chunk * width * 4 > BATCHED_PAIRS_MAX_BYTES:
         return None
-    # Every block, size after size, segment after segment: its segment and its first row there.
-    per_size, first_unit = per_size.flatten(), first_unit.flatten()
-    size_segment = torch.repeat_interleave(torch.arange(len(per_size), device=device), per_size,
-                                           output_size=sum(n_blocks))
-    segment = size_segment % len(segments)
-    block_in_size = torch.arange(len(size_segment), device=device) - exclusive_cumsum(per_size, 0)[size_segment]
-    block_units = size_units.flatten()[size_segment // len(segments)]
-    first_row = (first_unit[size_segment] + block_in_size * block_units) * unit
-    sizes = tuple((u * unit, n) for u, n in zip(BLOCK_UNITS, n_blocks, strict=True) if n)
-    per_block = (x[:, None].split([n for _, n in sizes]) for x in (first_row, count[segment] - 1, offset[segment]))
+    device = pairs.query.device
+    first_pair, last_pair, first_key = torch.tensor([b for blocks in per_size for b in blocks], device=device).T
     rows_per_size = [R * n for R, n in sizes]
     query_of_row = pairs.query.new_empty(sum(rows_per_size))
     is_padding = torch.empty(len(query_of_row), dtype=torch.bool, device=device)
-    for (R, n), first, last, base, queries, padding in zip(
+    per_block = (x[:, None].split([n for _, n in sizes]) for x in (first_pair, last_pair))
+    for (R, n), first, last, queries, padding in zip(
             sizes, *per_block, query_of_row.split(rows_per_size), is_padding.split(rows_per_size), strict=True):
-        local = first + torch.arange(R, device=device)  # [n, R] each block's rows in its segment
-        torch.gt(local, last, out=padding.view(n, R))
-        pair = torch.minimum(local, last, out=local).add_(base)  # padding rows: the segment's last pair
+        pair = first + torch.arange(R, device=device)  # [n, R] each block row's pair
+        torch.gt(pair, last, out=padding.view(n, R))
+        torch.minimum(pair, last, out=pair)  # padding rows: the segment's last pair
         torch.index_select(pairs.query, 0, pair.view(-1), out=queries)  # index_select: 2.4x faster than indexing
-    keys = (first_key[segment, None] + torch.arange(chunk, device=device)).flatten()
+    keys = (first_key[:, None] + torch.arange(chunk, device=device)).flatten()
     return PairBlocks(sizes, query_of_row, keys, is_padding.nonzero().squeeze(1))
 
 
