@@ -154,9 +154,11 @@ def select_past_chunks_on_grid(
     B, H, R, D = rows.shape
     H_kv, N = means.shape[1], means.shape[2]
     P = min(top_k - 1, N - 1)
-    # Each slot's chunk and maximum, for all groups: chunk 0 and -inf (invalid) where no group writes.
-    chunks = rows.new_zeros((B, H_kv, H // H_kv, P, R), dtype=torch.long)
-    maxima = rows.new_full((B, H_kv, H // H_kv, P, R), float("-inf"))
+    # Each slot's chunk and validity, for all groups: chunk 0 and invalid where no group writes (chunk
+    # 0's rows, and slots past a group's chunks).
+    chunks = rows.new_empty((B, H_kv, H // H_kv, P, R), dtype=torch.long)
+    chunks[..., :rows_per_chunk].zero_()
+    valid = rows.new_zeros((B, H_kv, H // H_kv, P, R), dtype=torch.bool)
     by_column = rows.view(B, H_kv, H // H_kv, R, D).transpose(-1, -2)  # [B, H_kv, g, D, R], a view
     latest_first = means.flip(2)[:, :, None]  # [B, H_kv, 1, N, D]: row i is chunk N-1-i
     groups = query_chunk_groups(N, B * H * R * (N - 1) // 2) if P else []
@@ -171,9 +173,10 @@ def select_past_chunks_on_grid(
         fp32_matmul(latest_first[:, :, :, N - n_past:], by_column[..., columns], out=scores)
         _fill_not_past(scores, end - first - 1, rows_per_chunk)  # the top rows: chunks first .. end-2
         taken = min(P, n_past)
-        _slot_maxima(scores, chunks[..., :taken, columns], maxima[..., :taken, columns])
+        chunks[..., taken:, columns].zero_()
+        _slot_maxima(scores, chunks[..., :taken, columns], valid[..., :taken, columns])
     per_head = lambda x: x.view(B, H, P, R).transpose(-1, -2)  # noqa: E731
-    return per_head(chunks), per_head(maxima > float("-inf"))
+    return per_head(chunks), per_head(valid)
 
 
 def select_past_chunks(
@@ -290,9 +293,9 @@ def _latest_first_maxima(scores: torch.Tensor, count: int) -> tuple[torch.Tensor
     if scores.numel() <= FEW_SCORES:
         return _latest_first_maxima_by_max(scores, count)
     shape = (*scores.shape[:-2], count, scores.shape[-1])
-    chunks, maxima = scores.new_empty(shape, dtype=torch.long), scores.new_empty(shape)
-    _slot_maxima(scores, chunks, maxima)
-    return chunks, maxima > float("-inf")
+    chunks, valid = scores.new_empty(shape, dtype=torch.long), scores.new_empty(shape, dtype=torch.bool)
+    _slot_maxima(scores, chunks, valid)
+    return chunks, valid
 
 
 def _latest_first_maxima_by_max(scores: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,12 +317,12 @@ def _latest_first_maxima_by_max(scores: torch.Tensor, count: int) -> tuple[torch
 POOLED_MAXIMA_DEVICES = ("cpu",)
 
 
-def _slot_maxima(scores: torch.Tensor, chunks: torch.Tensor, maxima: torch.Tensor) -> None:
-    """:func:`_latest_first_maxima` on many scores, into ``chunks`` (long) and ``maxima`` (fp32, -inf where
+def _slot_maxima(scores: torch.Tensor, chunks: torch.Tensor, valid: torch.Tensor) -> None:
+    """:func:`_latest_first_maxima` on many scores, into ``chunks`` (long) and ``valid`` (bool, False where
     no chunk is left), each ``[..., count, r]``; overwrites ``scores``. A taken chunk is set to -inf, one
     element per column addressed in the flat scores."""
     maxima_of = _pooled_maxima if scores.device.type in POOLED_MAXIMA_DEVICES else _ranked_maxima
-    maxima_of(scores, chunks, maxima)
+    maxima_of(scores, chunks, valid)
 
 
 def _column_offsets(scores: torch.Tensor, row: int) -> torch.Tensor:
@@ -329,7 +332,7 @@ def _column_offsets(scores: torch.Tensor, row: int) -> torch.Tensor:
     return first + torch.arange(r, device=scores.device)
 
 
-def _pooled_maxima(scores: torch.Tensor, chunks: torch.Tensor, maxima: torch.Tensor) -> None:
+def _pooled_maxima(scores: torch.Tensor, chunks: torch.Tensor, valid: torch.Tensor) -> None:
     """:func:`_slot_maxima` by ``max_pool2d`` over each column: viewed channels last (a column per
     channel), the CPU kernel returns every column's maximum and the first row holding it in one
     vectorised pass, about a third of the time of :func:`_ranked_maxima`'s passes."""
@@ -341,7 +344,7 @@ def _pooled_maxima(scores: torch.Tensor, chunks: torch.Tensor, maxima: torch.Ten
         if slot == 0 and torch.amax(best).isnan():  # a NaN wins its column: clear them all (a host read, CPU)
             _nan_to_minus_inf(scores)
             best, row = F.max_pool2d(planes, (n_past, 1), return_indices=True)
-        maxima.select(-2, slot).copy_(best.view(maxima.select(-2, slot).shape))
+        torch.gt(best.view(valid.select(-2, slot).shape), float("-inf"), out=valid.select(-2, slot))
         chunks.select(-2, slot).copy_(row.view(chunks.select(-2, slot).shape))  # the row, for now
         if slot + 1 < count:
             if slot == 0:
@@ -351,7 +354,7 @@ def _pooled_maxima(scores: torch.Tensor, chunks: torch.Tensor, maxima: torch.Ten
     chunks.neg_().add_(n_past - 1)  # row i is chunk n_past - 1 - i
 
 
-def _ranked_maxima(scores: torch.Tensor, chunks: torch.Tensor, maxima: torch.Tensor) -> None:
+def _ranked_maxima(scores: torch.Tensor, chunks: torch.Tensor, valid: torch.Tensor) -> None:
     """:func:`_slot_maxima` by ``amax`` passes: ``max`` returns the first row holding the maximum; the
     same row comes from ``amax`` over the rows' chunks where the score equals the column's maximum,
     whose passes cost a tenth of ``max`` with indices on CPU. The comparison writes fp32 (1.0 where
@@ -364,7 +367,8 @@ def _ranked_maxima(scores: torch.Tensor, chunks: torch.Tensor, maxima: torch.Ten
     if count > 1:
         row_last = _column_offsets(scores, n_past - 1).view(chunks[..., :1, :].shape)
     for slot in range(count):
-        best = torch.amax(scores, -2, keepdim=True, out=maxima[..., slot:slot + 1, :])
+        best = torch.amax(scores, -2, keepdim=True)
+        torch.gt(best, float("-inf"), out=valid[..., slot:slot + 1, :])
         taken = chunks[..., slot:slot + 1, :]
         taken.copy_(torch.amax(torch.eq(scores, best, out=work).mul_(chunk), -2, keepdim=True))
         if slot + 1 < count:  # row n_past - 1 - chunk of each column
