@@ -125,8 +125,8 @@ def gate_rows(q: torch.Tensor, layout: ChunkLayout, granularity) -> tuple[torch.
 # part of the scores and about 1/g of it again; each group costs a fixed run of small calls, so the
 # best g grows as the square root of the work: sqrt(causal scores / GROUP_SCORES), at most
 # MAX_QUERY_GROUPS (measured on CPU, with pooled maxima: one group at 8K tokens and 16 chunks, three
-# at 32K and 64, where 2**16 made eight and took 1.15x the time). Spans of positions with documents
-# (:func:`position_spans`) pay a bias per span: more of them, SPAN_SCORES each, measured fastest.
+# at 32K and 64, where 2**16 made eight and took 1.16-1.22x the time). Spans of positions with
+# documents (:func:`position_spans`) measured fastest at SPAN_SCORES each.
 MAX_QUERY_GROUPS = 16
 GROUP_SCORES = 2**19
 SPAN_SCORES = 2**16
@@ -280,8 +280,9 @@ def _fill_not_past(scores: torch.Tensor, n_rows: int, rows_per_chunk: int) -> No
         scores[..., i, :(n_rows - i) * rows_per_chunk].fill_(float("-inf"))
 
 
-# Up to this many scores, ``max`` with its indices (one call per slot) costs less than the amax
-# passes that replace it on large blocks of scores (decoding's gate: a few chunks per head).
+# Up to this many scores, ``max`` with its indices (one call per slot) costs less than the passes of
+# :func:`_slot_maxima` that replace it on large blocks of scores (decoding's gate: a few chunks per
+# head; measured against the amax passes).
 FEW_SCORES = 2**14
 
 
