@@ -121,13 +121,14 @@ def past_pairs(selection: Selection, kv_heads: int) -> PastPairs:
     used = counts.nonzero().squeeze(1)
     count = counts[used]
     offset = exclusive_cumsum(count, 0)
+    rows = used.tolist()
     if layout.has_documents:  # a chunk's start from each segment's first pair
         b, h, s, p = torch.unravel_index(slot[offset], (B, H, S, P))
         starts = (layout.doc_start[b, s] + selection.past_chunks[b, h, s, p] * layout.chunk_size).tolist()
     else:  # a bucket's chunk is its global chunk
-        starts = [row % n_global * layout.chunk_size for row in used.tolist()]
+        starts = [row % n_global * layout.chunk_size for row in rows]
     segments = [Segment(o, c, row // n_global, start, layout.chunk_size) for o, c, row, start
-                in zip(offset.tolist(), count.tolist(), used.tolist(), starts, strict=True)]
+                in zip(offset.tolist(), count.tolist(), rows, starts, strict=True)]
     slot = slot[:sum(seg.count for seg in segments)]
     return PastPairs(floor_divide(slot, P) if P else slot, segments)
 

@@ -19,14 +19,21 @@ MAXIMA_PATHS = {
 
 
 @contextlib.contextmanager
-def maxima_path(name: str):
-    """Force one maxima path (a context, not a fixture: hypothesis runs many examples per test call).
-
-    The grid gate ranks every group of query chunks as many scores: ``max_indices`` leaves it pooled.
-    """
-    original = gate.FEW_SCORES, gate.POOLED_MAXIMA_DEVICES
-    gate.FEW_SCORES, gate.POOLED_MAXIMA_DEVICES = MAXIMA_PATHS[name]
+def gate_settings(**values):
+    """Set attributes of :mod:`flexmoba.gate` (constants, functions) for the block, then restore them (a
+    context, not a fixture: hypothesis runs many examples per test call)."""
+    original = {name: getattr(gate, name) for name in values}
+    for name, value in values.items():
+        setattr(gate, name, value)
     try:
         yield
     finally:
-        gate.FEW_SCORES, gate.POOLED_MAXIMA_DEVICES = original
+        for name, value in original.items():
+            setattr(gate, name, value)
+
+
+def maxima_path(name: str):
+    """Force one maxima path. The grid gate ranks every group of query chunks as many scores:
+    ``max_indices`` leaves it pooled."""
+    few_scores, pooled_devices = MAXIMA_PATHS[name]
+    return gate_settings(FEW_SCORES=few_scores, POOLED_MAXIMA_DEVICES=pooled_devices)

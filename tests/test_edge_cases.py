@@ -31,7 +31,7 @@ from flexmoba.gather import BLOCK_UNITS, QUERY_BLOCK
 from flexmoba.kv_cache import ChunkKeySums, MoBAKVCache
 
 import oracle
-from maxima_paths import MAXIMA_PATHS, maxima_path
+from maxima_paths import MAXIMA_PATHS, gate_settings, maxima_path
 from strategies import Problem, divisors, document_ids, random_inputs, run_backend, seeded_randn
 
 BACKENDS = ["sdpa", "gather", "reference"]  # every backend with CPU gradients; "reference": moba_reference
@@ -164,14 +164,8 @@ def test_tied_gate_scores_with_documents_equal_oracle_on_every_maxima_path(spans
     B, S = problem.q.shape[0], problem.q.shape[2]
     ids = problem.document_ids if problem.document_ids is not None else torch.zeros(B, S, dtype=torch.long)
     kwargs = {**problem.kwargs, "document_ids": ids}
-    original = gate.position_spans, gate.SPAN_SCORES
-    # hypothesis runs many examples per test call: no monkeypatch fixture
-    gate.position_spans, gate.SPAN_SCORES = spans, 1
-    try:
-        with maxima_path(path):
-            mask = dense_moba_mask(select_chunks(problem.q, problem.k, **kwargs))
-    finally:
-        gate.position_spans, gate.SPAN_SCORES = original
+    with gate_settings(position_spans=spans, SPAN_SCORES=1), maxima_path(path):
+        mask = dense_moba_mask(select_chunks(problem.q, problem.k, **kwargs))
     assert torch.equal(mask, oracle.dense_mask(problem.q, problem.k, **kwargs)), problem
 
 
@@ -183,13 +177,8 @@ def test_tied_gate_scores_on_the_grid_equal_oracle_on_both_maxima_paths(path, pr
     kwargs = {**problem.kwargs, "document_ids": None}
     expected = oracle.dense_mask(problem.q, problem.k, **kwargs)
     for group_scores in (gate.GROUP_SCORES, 1):
-        original = gate.GROUP_SCORES
-        gate.GROUP_SCORES = group_scores
-        try:
-            with maxima_path(path):
-                mask = dense_moba_mask(select_chunks(problem.q, problem.k, **kwargs))
-        finally:
-            gate.GROUP_SCORES = original
+        with gate_settings(GROUP_SCORES=group_scores), maxima_path(path):
+            mask = dense_moba_mask(select_chunks(problem.q, problem.k, **kwargs))
         assert torch.equal(mask, expected), (group_scores, problem)
 
 

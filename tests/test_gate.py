@@ -4,10 +4,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from flexmoba import dense_moba_mask, gate, moba_selection, select_chunks
+from flexmoba import dense_moba_mask, moba_selection, select_chunks
 
 import oracle
-from maxima_paths import maxima_path
+from maxima_paths import gate_settings, maxima_path
 from strategies import EXAMPLES, describe, more_examples, problems, with_examples
 
 
@@ -56,12 +56,8 @@ def test_selection_equals_oracle(problem):
 def test_selection_in_one_group_per_query_chunk_equals_oracle(problem):
     """Small problems score all query chunks as one group; this scores each apart (up to 16 groups, or
     spans of positions with documents)."""
-    original = gate.GROUP_SCORES, gate.SPAN_SCORES
-    gate.GROUP_SCORES = gate.SPAN_SCORES = 1
-    try:
+    with gate_settings(GROUP_SCORES=1, SPAN_SCORES=1):
         got = dense_moba_mask(select_chunks(problem.q, problem.k, **problem.kwargs))
-    finally:
-        gate.GROUP_SCORES, gate.SPAN_SCORES = original
     assert torch.equal(got, oracle.dense_mask(problem.q, problem.k, **problem.kwargs)), problem
 
 
