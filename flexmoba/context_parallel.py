@@ -223,7 +223,7 @@ def own_chunk_prefixes(selection: Selection, heads: int, kv_heads: int, query_st
 def join_pairs(first: PastPairs, second: PastPairs) -> PastPairs:
     """Both pair lists in one, ``second``'s segments after ``first``'s."""
     shift = len(first.query)
-    moved = [dataclasses.replace(seg, offset=seg.offset + shift) for seg in second.segments]
+    moved = [seg._replace(offset=seg.offset + shift) for seg in second.segments]
     return PastPairs(torch.cat([first.query, second.query]), first.segments + moved)
 
 

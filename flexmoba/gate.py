@@ -276,8 +276,8 @@ def _fill_not_past(scores: torch.Tensor, n_rows: int, rows_per_chunk: int) -> No
     past: row i is chunk ``n_rows - 1 - i`` counted from the group's first chunk, column r a row of its
     chunk ``r // rows_per_chunk``, so row i's first ``(n_rows - i) * rows_per_chunk`` columns (that chunk's
     rows and the earlier chunks') are not past. One fill per row: half the time of adding a -inf bias."""
-    for i in range(n_rows):
-        scores[..., i, :(n_rows - i) * rows_per_chunk].fill_(float("-inf"))
+    for i, row in enumerate(scores.unbind(-2)[:n_rows]):
+        row[..., :(n_rows - i) * rows_per_chunk].fill_(float("-inf"))
 
 
 # Up to this many scores, ``max`` with its indices (one call per slot) costs less than the passes of
@@ -340,18 +340,16 @@ def _pooled_maxima(scores: torch.Tensor, chunks: torch.Tensor, valid: torch.Tens
     n_past, r = scores.shape[-2], scores.shape[-1]
     planes = scores.view(-1, n_past, 1, r).permute(0, 3, 1, 2)  # [N, r, n_past, 1], channels last: a view
     count = chunks.shape[-2]
-    for slot in range(count):
+    by_row = scores.view(-1, n_past, r)
+    for slot, (slot_chunks, slot_valid) in enumerate(zip(chunks.unbind(-2), valid.unbind(-2), strict=True)):
         best, row = F.max_pool2d(planes, (n_past, 1), return_indices=True)  # [N, r, 1, 1] each
         if slot == 0 and torch.amax(best).isnan():  # a NaN wins its column: clear them all (a host read, CPU)
             _nan_to_minus_inf(scores)
             best, row = F.max_pool2d(planes, (n_past, 1), return_indices=True)
-        torch.gt(best.view(valid.select(-2, slot).shape), float("-inf"), out=valid.select(-2, slot))
-        chunks.select(-2, slot).copy_(row.view(chunks.select(-2, slot).shape))  # the row, for now
+        torch.gt(best.view(slot_valid.shape), float("-inf"), out=slot_valid)
+        slot_chunks.copy_(row.view(slot_chunks.shape))  # the row, for now
         if slot + 1 < count:
-            if slot == 0:
-                row_zero = _column_offsets(scores, 0)
-            scores.view(-1).index_fill_(0, torch.add(row_zero, row.view(row_zero.shape), alpha=r).view(-1),
-                                        float("-inf"))
+            by_row.scatter_(1, row.view(-1, 1, r), float("-inf"))
     chunks.neg_().add_(n_past - 1)  # row i is chunk n_past - 1 - i
 
 

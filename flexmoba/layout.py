@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ChunkLayout", "chunk_layout", "document_starts"]
+__all__ = ["ChunkLayout", "chunk_layout", "document_starts", "floor_divide"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,14 @@ class ChunkLayout:
         return self.doc_start + self.local_chunk * self.chunk_size
 
 
+def floor_divide(x: torch.Tensor, divisor: int) -> torch.Tensor:
+    """``x // divisor`` of non-negative ints: a shift where ``divisor`` is a power of two (int64 division
+    takes 7x its time on CPU)."""
+    if divisor & (divisor - 1) == 0:
+        return x >> (divisor.bit_length() - 1)
+    return torch.div(x, divisor, rounding_mode="floor")
+
+
 def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
     """``[B, S]`` ids -> ``[B, S]`` start of each position's document.
 
@@ -82,7 +90,7 @@ def chunk_layout(
     positions = torch.arange(seq_len, device=device).expand(batch, seq_len)
     if document_ids is None:
         doc_start = torch.zeros_like(positions)
-        local_chunk = positions // chunk_size
+        local_chunk = floor_divide(positions, chunk_size)
         return ChunkLayout(chunk_size, n_chunks, n_chunks, False, doc_start, local_chunk, local_chunk)
 
     doc_start = document_starts(document_ids)
