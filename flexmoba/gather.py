@@ -377,8 +377,7 @@ def pair_blocks(pairs: PastPairs, key_len: int, chunk: int, unit: int, width: in
     n_units = sum(R * n for R, n in sizes) // unit
     offset_last, units, first_key = torch.frombuffer(table, dtype=torch.long).view(4, -1).to(device).split([2, 1, 1])
     unit_offset, unit_last = torch.repeat_interleave(offset_last, units[0], dim=1, output_size=n_units)
-    unit_first = unit_offset + torch.arange(0, n_units * unit, unit, device=device)
-    pair = unit_first[:, None] + torch.arange(unit, device=device)  # [units, unit]: each block row's pair
+    pair = torch.arange(n_units * unit, device=device).view(n_units, unit) + unit_offset[:, None]  # each row's pair
     is_padding = torch.gt(pair, unit_last[:, None])
     torch.minimum(pair, unit_last[:, None], out=pair)  # padding rows: the segment's last pair
     query_of_row = torch.index_select(pairs.query, 0, pair.view(-1))  # index_select: 2.4x faster than indexing
