@@ -59,11 +59,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from flexmoba.block_mask import selection_block_mask
 from flexmoba.compiled_flex import active_flex_attention, flex_trains_on, needs_sink
-from flexmoba.decode_kernels import gather_decode, sdpa_decode
+from flexmoba.decode_kernels import gather_decode, masked_attention, sdpa_decode
 from flexmoba.flex_plan import plan_from_selection
 from flexmoba.gather import gather_moba_attention
 from flexmoba.masks import dense_moba_mask
@@ -198,9 +197,18 @@ def _refuse_cpu_grad(q, k, v) -> None:
         )
 
 
+def drops_non_finite_keys(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether this flex call would lose a non-finite key: the compiled CPU kernel turns a row whose
+    logits hit NaN or +inf in a partly masked block into zeros, not NaN. Such calls run ``gather``
+    (exact) instead; one check of the keys, on CPU only (no device sync)."""
+    return needs_sink(q.device) and not bool(torch.isfinite(k).all())
+
+
 def flex_union_backend(q, k, v, selection: Selection, scale: float) -> torch.Tensor:
     """Compiled flex over the union ``BlockMask`` in the original query order."""
     _refuse_cpu_grad(q, k, v)
+    if drops_non_finite_keys(q, k):
+        return gather_moba_attention(q, k, v, selection, scale)
     block_mask = selection_block_mask(selection, compute_q_blocks=needs_grad(q, k, v))
     return active_flex_attention()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
@@ -210,14 +218,15 @@ def flex_backend(q, k, v, selection: Selection, scale: float) -> torch.Tensor:
     if selection.granularity != "token":
         return flex_union_backend(q, k, v, selection, scale)
     _refuse_cpu_grad(q, k, v)
+    if drops_non_finite_keys(q, k):
+        return gather_moba_attention(q, k, v, selection, scale)
     plan = plan_from_selection(selection, k.shape[1], sink=needs_sink(q.device),
                                compute_q_blocks=needs_grad(q, k, v))
     return plan.attention(q, k, v, scale=scale)
 
 
 def sdpa_backend(q, k, v, selection: Selection, scale: float) -> torch.Tensor:
-    mask = dense_moba_mask(selection)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return masked_attention(q, k, v, dense_moba_mask(selection), scale)
 
 
 register_backend("flex", flex_backend)

@@ -36,8 +36,9 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
 from flexmoba import validation
-from flexmoba.backends import needs_grad
+from flexmoba.backends import drops_non_finite_keys, needs_grad
 from flexmoba.compiled_flex import active_flex_attention, custom_flex_attention, flex_trains_on, needs_sink
+from flexmoba.decode_kernels import masked_attention
 from flexmoba.flex_plan import plan_from_selection
 from flexmoba.gate import Selection, chunk_means, gate_rows, select_past_chunks
 from flexmoba.gather import (
@@ -256,14 +257,15 @@ def local_dense_mask(selection: Selection, query_start: int, key_len: int) -> to
 
 
 def local_sdpa(q, k, v, selection: Selection, scale: float, query_start: int) -> torch.Tensor:
-    mask = local_dense_mask(selection, query_start, k.shape[2])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return masked_attention(q, k, v, local_dense_mask(selection, query_start, k.shape[2]), scale)
 
 
 def local_flex(q, k, v, selection: Selection, scale: float, query_start: int) -> torch.Tensor:
     if not flex_trains_on(q.device) and needs_grad(q, k, v):
         raise ValueError("backend='flex' cannot compute gradients on CPU (FlexAttention has no CPU backward); "
                          "use backend='gather' or 'auto', or call under torch.no_grad()")
+    if drops_non_finite_keys(q, k):
+        return local_gather(q, k, v, selection, scale, query_start)
     plan = plan_from_selection(selection, k.shape[1], sink=needs_sink(q.device),
                                compute_q_blocks=needs_grad(q, k, v), query_start=query_start)
     return plan.attention(q, k, v, scale=scale)

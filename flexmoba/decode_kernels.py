@@ -82,9 +82,25 @@ def gathered_attention(q, keys, values, key_pos, allowed, scale):
 
 
 def masked_attention(q, keys, values, allowed, scale):
-    """``allowed: [B, 1 or H, S_new, T]`` bool -> ``[B, H, S_new, Dv]`` via SDPA."""
+    """``allowed: [B, 1 or H, S_new, T]`` bool -> ``[B, H, S_new, Dv]`` via SDPA.
+
+    SDPA adds the mask to ``q . k``: a NaN or inf in a key no row attends would still reach
+    every row (NaN - inf). Keys holding one run through the plain softmax instead, whose
+    masked logits are replaced, not added to (one check of the keys; a host read).
+    """
+    if not bool(torch.isfinite(keys).all()):
+        return _plain_masked_attention(q, keys, values, allowed, scale)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scale,
                                           enable_gqa=q.shape[1] != keys.shape[1])
+
+
+def _plain_masked_attention(q, keys, values, allowed, scale):
+    """:func:`masked_attention` as ``softmax(masked q k^T * scale) v`` in fp32."""
+    group = q.shape[1] // keys.shape[1]
+    keys, values = (x.float().repeat_interleave(group, dim=1) for x in (keys, values))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    logits = (q.float() @ keys.transpose(-1, -2)) * scale
+    return (logits.masked_fill(~allowed, float("-inf")).softmax(dim=-1) @ values).to(q.dtype)
 
 
 def _zero_padding(keys, values, start: torch.Tensor):

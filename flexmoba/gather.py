@@ -192,14 +192,49 @@ def _causal_mask(n: int, m: int, device) -> torch.Tensor:
 
 
 def dense_attention(q, k, v, causal: bool, scale: float):
-    """``q: [N, 1, L, D]``, ``k, v: [N, 1, M, D]`` -> (out ``[N, 1, L, Dv]``, lse ``[N, 1, L]`` fp32)."""
+    """``q: [N, 1, L, D]``, ``k, v: [N, 1, M, D]`` -> (out ``[N, 1, L, Dv]``, lse ``[N, 1, L]`` fp32).
+
+    A row whose logits are all -inf (non-finite keys) attends nothing: out 0, lse -inf, so that it
+    merges as nothing (:func:`nan_where_nothing_attended` makes a row that attends nothing at all NaN).
+    """
     if _fused_cpu(q):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return _recompute_rows_of_zero_lse(out, lse, q, k, v, causal, scale)
     logits = (q @ k.transpose(-1, -2)).float() * scale
     if causal:
         logits = logits.masked_fill(~_causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)
-    return (torch.exp(logits - lse[..., None]).to(v.dtype) @ v), lse
+    return (torch.exp(logits - finite_lse(lse)[..., None]).to(v.dtype) @ v), lse
+
+
+def finite_lse(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with -inf (a row or part that attends nothing) as 0: ``exp(x - lse)`` is then 0 for x = -inf,
+    where ``exp(-inf - -inf)`` would be NaN."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
+def _recompute_rows_of_zero_lse(out, lse, q, k, v, causal: bool, scale: float):
+    """The CPU kernel's ``(out [N, 1, L, Dv], lse [N, 1, L])`` with the rows of lse 0 (rare) recomputed: the
+    kernel gives out 0 and lse 0 to a row whose logits are all -inf, as to a fully masked row, and to one
+    whose only logit is NaN or +inf. Recomputed, such a row has lse -inf (out 0), or NaN."""
+    n, _, row = (lse == 0).nonzero(as_tuple=True)
+    if len(n):
+        logits = (k[n, 0].float() @ q[n, 0, row].float()[..., None])[..., 0] * scale  # [R, M]
+        if causal:
+            logits = logits.masked_fill(torch.arange(k.shape[2], device=q.device) > row[:, None], float("-inf"))
+        row_lse = torch.logsumexp(logits, dim=-1)
+        row_out = (torch.exp(logits - finite_lse(row_lse)[:, None])[:, None] @ v[n, 0].float())[:, 0]
+        where = (n, torch.zeros_like(n), row)
+        out, lse = out.index_put(where, row_out.to(out.dtype)), lse.index_put(where, row_lse)
+    return out, lse
+
+
+def nan_where_nothing_attended(out: torch.Tensor, lse: torch.Tensor) -> None:
+    """NaN, in place, in the rows of ``out: [N, Dv]`` whose merged ``lse: [N]`` is -inf: every logit of the
+    row is -inf, and a softmax over them is NaN (a host read on CPU only, where it is no device sync)."""
+    nothing = lse == float("-inf")
+    if out.device.type != "cpu" or bool(nothing.any()):
+        out.masked_fill_(nothing[:, None], float("nan"))
 
 
 def dense_attention_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
@@ -484,6 +519,7 @@ def _merge_segments(out, lse, q, k, v, pairs: PastPairs, scale: float) -> None:
         seg_out, seg_lse = dense_attention(q_rows.index_select(0, query)[None, None], *_keys(k_rows, v_rows, seg),
                                            False, scale)
         merge_into(out, lse, query, seg_out[0, 0], seg_lse[0, 0])
+    nan_where_nothing_attended(out, lse)
 
 
 def _merge_blocks(out, lse, q, k, v, blocks: PairBlocks, scale: float):

@@ -58,11 +58,15 @@ def past_scores(q, k, chunk_size, granularity="token", document_ids=None, round_
 
 
 def selected_chunks(q, k, chunk_size, top_k, granularity="token", document_ids=None, round_means=True):
-    """Per (b, h, t): sorted list of (chunk_start, chunk_end) key ranges attended, own chunk cut at t."""
+    """Per (b, h, t): sorted list of (chunk_start, chunk_end) key ranges attended, own chunk cut at t.
+
+    A past chunk scoring NaN or -inf (a non-finite key in it) is never selected, flexmoba's rule
+    (the official code's ``topk`` would rank a NaN first)."""
     out = {}
     for (b, h, t), (bounds, own, scores) in past_scores(q, k, chunk_size, granularity, document_ids,
                                                         round_means).items():
-        scored = sorted(((score, j) for j, score in enumerate(scores)), reverse=True)
+        eligible = [(score, j) for j, score in enumerate(scores) if score == score and score != float("-inf")]
+        scored = sorted(eligible, reverse=True)
         chosen = sorted(j for _, j in scored[: top_k - 1]) + [own]
         out[b, h, t] = [(bounds[j][0], bounds[j][1] if j < own else t + 1) for j in chosen]
     return out

@@ -1,11 +1,20 @@
-"""Non-finite inputs: a NaN never wins a gate slot; it shows up only where it is attended."""
+"""Non-finite inputs: a NaN never wins a gate slot; a non-finite key shows up only where it is attended,
+the same on every backend, decode kernel and context-parallel split as in the oracle."""
+
+import contextlib
 
 import pytest
 import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
 
-from flexmoba import MoBAKVCache, moba_attention, moba_decode_attention, moba_selection
+import flexmoba.gather as gather
+from flexmoba import MoBAKVCache, MobaSpec, moba_attention, moba_decode_attention, moba_selection
+from flexmoba.context_parallel import local_moba_attention
 
+import oracle
 from maxima_paths import MAXIMA_PATHS, maxima_path
+from strategies import Problem, document_ids, random_inputs, run_backend
 
 
 def test_nan_key_chunk_is_never_selected_as_a_past_chunk():
@@ -20,20 +29,17 @@ def test_nan_key_chunk_is_never_selected_as_a_past_chunk():
     counts = chunks[0, 0].sum(-1)
     assert (counts[own_chunk >= 4] == 3).all()
 
-    # Queries that attend the NaN key (its own chunk, 20..23) never get a plausible finite
-    # value: sdpa gives NaN; torch's CPU flex kernel zeroes such rows. Dense sdpa may also
-    # spread the NaN to rows that mask it out (0 * NaN); flex leaves those rows exact.
+    # Queries that attend the NaN key (its own chunk, 20..23) are NaN; the rows before it neither attend
+    # it nor gate on its chunk's mean (every backend and row: test_a_non_finite_key_makes_exactly_...).
     with torch.no_grad():
         sdpa = moba_attention(q, k, v, chunk_size=8, top_k=3, backend="sdpa")
         flex = moba_attention(q, k, v, chunk_size=8, top_k=3, backend="flex")
         clean_k = k.clone()
         clean_k[0, 0, 20] = 0.0
         clean = moba_attention(q, clean_k, v, chunk_size=8, top_k=3, backend="sdpa")
-    assert torch.isnan(sdpa[0, 0, 20:24]).all()
-    attended = flex[0, 0, 20:24]
-    assert (~torch.isfinite(attended) | (attended == 0)).all(1).all()
-    # Rows before the NaN key neither attend it nor gate on its chunk's mean.
-    torch.testing.assert_close(flex[0, 0, :20], clean[0, 0, :20], atol=1e-5, rtol=1e-5)
+    for out in (sdpa, flex):
+        assert torch.isnan(out[0, 0, 20:24]).all()
+        torch.testing.assert_close(out[0, 0, :20], clean[0, 0, :20], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("path", MAXIMA_PATHS)
@@ -89,3 +95,110 @@ def test_infinite_gate_scores_minus_inf_is_never_selected_plus_inf_wins(document
         chunks = moba_selection(q, k, chunk_size=8, top_k=3, document_ids=ids)[0, 0]
     assert chunks[16:24].nonzero()[:, 1].unique().tolist() == [0, 2], "two past slots, chunk 1 left free"
     assert chunks[32:40, 3].all() and not chunks[32:40, 1].any()
+
+
+
+# One fixed shape (GQA, a choice among 5 past chunks), so compiled flex compiles once per backend.
+POISONED_SHAPE = (2, 4, 2, 48, 8)  # (B, H, H_kv, S, D)
+NON_FINITE = [float("nan"), float("inf"), float("-inf")]
+
+
+def poisoned(seed: int, entries, document_ids=None, granularity="token") -> Problem:
+    """Random inputs of :data:`POISONED_SHAPE` (chunks of 8, top_k 3) whose keys hold the ``entries``:
+    ``((b, kv head, position) or (b, kv head, position, coordinate), value)``."""
+    q, k, v = random_inputs(seed, *POISONED_SHAPE)
+    for where, value in entries:
+        k[where] = value
+    return Problem(q, k, v, 8, 3, granularity, document_ids)
+
+
+@st.composite
+def poisoned_keys(draw):
+    """One or two non-finite key entries, each (batch row, KV head, position, one coordinate or the whole
+    key, NaN / +inf / -inf); documents a quarter of the time, tiles of 4 a quarter."""
+    B, _, H_kv, S, D = POISONED_SHAPE
+    entries = []
+    for _ in range(draw(st.integers(1, 2))):
+        where = (draw(st.integers(0, B - 1)), draw(st.integers(0, H_kv - 1)), draw(st.integers(0, S - 1)))
+        coordinate = draw(st.none() | st.integers(0, D - 1))
+        entries.append((where if coordinate is None else (*where, coordinate), draw(st.sampled_from(NON_FINITE))))
+    granularity = draw(st.sampled_from(["token", "token", "token", 4]))
+    return poisoned(draw(st.integers(0, 2**31 - 1)), entries, draw(document_ids(B, S)), granularity)
+
+
+def decoded(problem: Problem, backend: str) -> torch.Tensor:
+    """Every row decoded from a :class:`MoBAKVCache`: all queries but the last in one call, then the last
+    (decoding's one-query step) -> ``[B, H, S, D]``."""
+    S = problem.q.shape[2]
+    cache, outs = MoBAKVCache(problem.chunk_size), []
+    for start, end in ((0, S - 1), (S - 1, S)):
+        cache.update(problem.k[:, :, start:end], problem.v[:, :, start:end])
+        outs.append(moba_decode_attention(problem.q[:, :, start:end], cache, top_k=problem.top_k, backend=backend))
+    return torch.cat(outs, 2)
+
+
+@contextlib.contextmanager
+def unfused_gather():
+    """Gather's path off CPU (plain tensor math), forced."""
+    original = gather._fused_cpu
+    gather._fused_cpu = lambda q: False
+    try:
+        yield
+    finally:
+        gather._fused_cpu = original
+
+
+def split_in_ranks(problem: Problem, backend: str, ranks: int = 4) -> torch.Tensor:
+    """Every rank's queries of a context-parallel split attended apart (one process), joined -> ``[B, H, S, D]``."""
+    spec, L = MobaSpec(problem.chunk_size, problem.top_k, backend=backend), problem.q.shape[2] // ranks
+    return torch.cat([local_moba_attention(problem.q[:, :, r * L:(r + 1) * L], problem.k, problem.v, spec, r * L,
+                                           document_ids=problem.document_ids) for r in range(ranks)], 2)
+
+
+def attend(path: str, problem: Problem) -> torch.Tensor:
+    """``[B, H, S, D]`` by a prefill backend, ``"reference"``, ``"gather-unfused"``, a decode kernel
+    (``"decode-<backend>"``) or context parallelism's ranks (``"ranks-<backend>"``)."""
+    with torch.no_grad():
+        if path.startswith("decode-"):
+            return decoded(problem, path.removeprefix("decode-"))
+        if path.startswith("ranks-"):
+            return split_in_ranks(problem, path.removeprefix("ranks-"))
+        if path == "gather-unfused":
+            with unfused_gather():
+                return run_backend("gather", problem.q, problem.k, problem.v, **problem.kwargs)
+        return run_backend(path, problem.q, problem.k, problem.v, **problem.kwargs)
+
+
+# Every prefill backend, gather's path off CPU, the reference, every decode kernel and every backend under
+# context parallelism (4 ranks of 12 queries: own chunks cross rank boundaries). With non-finite keys compiled
+# CPU flex runs gather: nothing compiles, unless that check is lost, but for the ranks whose keys are all finite.
+PATHS = ("flex", "flex_union", "gather", "gather-unfused", "sdpa", "reference", "decode-gather", "decode-sdpa",
+         "ranks-gather", "ranks-sdpa")
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("paths", [PATHS, pytest.param(("ranks-flex",), marks=pytest.mark.slow)],
+                         ids=["every_backend", "ranks_flex"])
+@example(poisoned(0, [((0, 0, 10), float("nan"))]))  # a NaN key
+@example(poisoned(1, [((1, 1, 0, 2), float("-inf")), ((1, 0, 17), float("inf"))]))  # the first key's coordinate
+# q[0, :2, 0, 5] > 0 (logits of -inf) in documents of one chunk each: no past chunk to attend instead
+@example(poisoned(2, [((0, 0, 0, 5), float("-inf")), ((1, 1, 0), float("nan"))],
+                  torch.tensor([0] * 8 + [1] * 8).repeat(2, 3)))
+@example(poisoned(3, [((0, 0, 16, 4), float("-inf"))]))  # q[0, :2, 16, 4] > 0: query 16 attends its past chunks only
+@given(poisoned_keys())
+def test_a_non_finite_key_makes_exactly_the_oracles_rows_non_finite(paths, problem):
+    """NaN, +inf or -inf in keys (one coordinate or whole keys): the non-finite output rows of every backend,
+    decode kernel and context-parallel split are the oracle's (the rows with a NaN or +inf logit against a
+    key they attend, or only -inf logits), and their finite rows equal the oracle's."""
+    expected = oracle.attention(problem.q, problem.k, problem.v, **problem.attention_kwargs).float()
+    finite = torch.isfinite(expected).all(-1)  # [B, H, S]
+    for path in paths:
+        if path.startswith("decode-") and problem.document_ids is not None:
+            continue  # a cache holds one document per row
+        if path.startswith(("decode-", "ranks-")) and problem.granularity != "token":
+            continue  # decoding and context parallelism gate each token
+        out = attend(path, problem)
+        got = torch.isfinite(out).all(-1)
+        assert torch.equal(got, finite), (f"{path}: non-finite rows {(~got).nonzero().tolist()}, "
+                                          f"the oracle's {(~finite).nonzero().tolist()}; {problem}")
+        torch.testing.assert_close(out[finite], expected[finite], atol=1e-5, rtol=1e-5)

@@ -12,7 +12,7 @@ import argparse
 import difflib
 import re
 import sys
-from dataclasses import fields, is_dataclass
+from dataclasses import MISSING, fields, is_dataclass
 from typing import TypeVar, get_type_hints
 
 from lit.cli.errors import UsageError, fail
@@ -76,6 +76,17 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         fail(with_suggestion(message, options))
 
 
+def bare_value_hint(message: str, cls: type, argv: list[str]) -> str | None:
+    """For a value given without its option name (``unrecognized arguments: runs/x``) while a required
+    option of ``cls`` is missing from ``argv``: the line naming that option."""
+    bare = re.search(r"unrecognized arguments: ([^-\s]\S*)", message)
+    missing = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
+               and f"--{f.name}" not in argv and not any(arg.startswith(f"--{f.name}=") for arg in argv)]
+    if not (bare and missing):
+        return None
+    return f"--{missing[0]}: {bare[1]} is given without an option name; give --{missing[0]} {bare[1]}"
+
+
 def to_dataclass(cls: type[T], namespace) -> T:
     values = {f.name: namespace.as_dict()[f.name] for f in fields(cls)}
     for f in fields(cls):
@@ -93,10 +104,11 @@ def parse_dataclass(cls: type[T], argv: list[str] | None, *, prog: str, descript
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", action="config", help="a YAML file of these options")
     parser.add_class_arguments(cls, None, as_group=False)
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        namespace = parser.parse_args(sys.argv[1:] if argv is None else argv)
+        namespace = parser.parse_args(argv)
     except argparse.ArgumentError as error:
-        fail(with_suggestion(one_line(error), option_names(cls)))
+        fail(bare_value_hint(one_line(error), cls, argv) or with_suggestion(one_line(error), option_names(cls)))
     try:
         return to_dataclass(cls, namespace)
     except UsageError:

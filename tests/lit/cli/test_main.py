@@ -23,6 +23,16 @@ def test_version(capsys):
     assert run(capsys, "--version") == (0, f"flexmoba {flexmoba.__version__}\n", "")
 
 
+def test_version_and_help_import_no_torch():
+    """``flexmoba --version`` and ``--help`` answer in a fraction of a second: torch (seconds) is not imported."""
+    code = ("import sys; from lit.cli.main import main; main(['--version']); main(['--help']); "
+            "print('torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    version, *_, torch_imported = proc.stdout.splitlines()
+    assert (version, torch_imported) == (f"flexmoba {flexmoba.__version__}", "False"), proc.stdout
+
+
 def test_bare_command_lists_every_subcommand(capsys):
     code, out, _ = run(capsys)
     assert code == 0
@@ -38,6 +48,11 @@ def test_every_subcommand_has_help(name, capsys):
         assert out.startswith("usage: ") and f"[options] {name}" in out and "--trainer" in out, out[:300]
     else:
         assert out.startswith(f"usage: flexmoba {name}"), out[:200]
+
+
+def test_bench_help_lists_the_benchmarks(capsys):
+    code, out, err = run(capsys, "bench", "--help")
+    assert code == 0 and out.startswith("usage: flexmoba bench NAME") and "attention, context_parallel" in out, err
 
 
 @pytest.mark.parametrize("argv, message", [
