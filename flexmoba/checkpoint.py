@@ -18,7 +18,13 @@ import torch
 
 from flexmoba.model import GPT, ModelConfig
 
-__all__ = ["checkpoint_config", "load_model", "read_checkpoint"]
+__all__ = ["ARCHITECTURE_FIELDS", "architecture_mismatch", "checkpoint_config", "checkpoint_tokenizer", "load_model",
+           "model_weights", "read_checkpoint"]
+
+# What a model's function depends on besides its attention: weights trained under one of these do not
+# carry over to another value.
+ARCHITECTURE_FIELDS = ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "mlp_hidden", "tie_embeddings",
+                       "head_dim", "rope_base", "norm_eps", "max_seq_len")
 
 
 def read_checkpoint(path: str | Path) -> dict:
@@ -53,6 +59,31 @@ def spec_fields_nested(fields: dict) -> dict:
     return fields
 
 
+def model_weights(checkpoint: dict) -> dict:
+    """The GPT's state dict in a checkpoint (a Lightning one's ``model.`` prefix dropped)."""
+    state = checkpoint.get("state_dict", checkpoint)
+    model_state = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
+    return model_state or state
+
+
+def checkpoint_tokenizer(checkpoint: dict) -> str | None:
+    """The tokenizer (its JSON text) a checkpoint carries (a token-level data module's, or an import's), or None."""
+    for value in checkpoint.values():
+        if isinstance(value, dict) and isinstance(value.get("tokenizer_json"), str):
+            return value["tokenizer_json"]
+    return None
+
+
+def architecture_mismatch(saved: ModelConfig, config: ModelConfig) -> str | None:
+    """The architecture fields on which ``config`` differs from ``saved``, as ``name saved != given``, or None."""
+    def same(a, b) -> bool:
+        return a == b or (isinstance(a, float) and isinstance(b, float) and abs(a - b) <= 1e-6 * abs(a))
+
+    differ = [f"{name} {getattr(saved, name)} != {getattr(config, name)}" for name in ARCHITECTURE_FIELDS
+              if not same(getattr(saved, name), getattr(config, name))]
+    return ", ".join(differ) or None
+
+
 def load_model(checkpoint: str | Path | dict, device: str | torch.device = "cpu", **overrides) -> GPT:
     """The checkpoint's :class:`GPT` on ``device``, in eval mode, with its attention override.
 
@@ -68,9 +99,7 @@ def load_model(checkpoint: str | Path | dict, device: str | torch.device = "cpu"
     if isinstance(overrides.get("moba"), dict):
         overrides["moba"] = dataclasses.replace(config.moba, **overrides["moba"])
     config = dataclasses.replace(config, **overrides)
-    state = checkpoint.get("state_dict", checkpoint)
-    model_state = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
     model = GPT(config)
-    model.load_state_dict(model_state or state)
+    model.load_state_dict(model_weights(checkpoint))
     model.set_attention_override(checkpoint.get("attention_override"))
     return model.eval().to(device)

@@ -47,6 +47,12 @@ class ModelConfig:
         mlp_hidden: SwiGLU hidden width; ``None`` means 8/3 * d_model rounded up to 32.
         tie_embeddings: share the token embedding with the output projection.
         rope_base: RoPE frequency base.
+        head_dim: width D of each attention head; ``None`` means ``d_model / n_heads`` (a
+            pretrained model may set another, e.g. Gemma's 256).
+        norm_eps: RMSNorm's epsilon; ``None`` means the input dtype's machine epsilon
+            (flexmoba's own models); a pretrained model sets its own (Llama's ``rms_norm_eps``).
+        max_seq_len: the longest sequence the model was trained for (a pretrained model's
+            context, e.g. 8192); ``None``: no limit. The command line refuses a longer ``seq_len``.
         attention: ``"moba"`` or ``"full"`` for every layer not forced full below.
         moba: MoBA's chunk size, top-k, granularity and backend (:class:`flexmoba.MobaSpec`;
             ``"auto"`` picks the backend per device, sequence length and grad mode).
@@ -62,6 +68,9 @@ class ModelConfig:
     mlp_hidden: int | None = None
     tie_embeddings: bool = True
     rope_base: float = 10000.0
+    head_dim: int | None = None
+    norm_eps: float | None = None
+    max_seq_len: int | None = None
     attention: str = "moba"
     moba: MobaSpec = field(default_factory=lambda: MobaSpec(chunk_size=128, top_k=3))
     full_attention_last_n_layers: int = 0
@@ -72,20 +81,28 @@ class ModelConfig:
             self.n_kv_heads = self.n_heads
         if self.mlp_hidden is None:
             self.mlp_hidden = 32 * math.ceil(8 * self.d_model / 3 / 32)
+        if self.head_dim is None and isinstance(self.n_heads, int) and self.n_heads > 0:
+            if self.d_model % self.n_heads:
+                raise ValueError(f"ModelConfig.d_model={self.d_model} must be divisible by n_heads={self.n_heads} "
+                                 "(or give head_dim)")
+            self.head_dim = self.d_model // self.n_heads
         if isinstance(self.moba, dict):  # as saved in a checkpoint
             self.moba = MobaSpec(**self.moba)
         if not isinstance(self.moba, MobaSpec):
             raise TypeError(f"ModelConfig.moba must be a MobaSpec, got {type(self.moba).__name__}")
-        for name in ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "mlp_hidden"):
+        for name in ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "mlp_hidden", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"ModelConfig.d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+        if self.max_seq_len is not None and (isinstance(self.max_seq_len, bool) or not isinstance(self.max_seq_len, int)
+                                             or self.max_seq_len <= 0):
+            raise ValueError(f"ModelConfig.max_seq_len must be a positive int or None, got {self.max_seq_len!r}")
+        if self.norm_eps is not None and not (isinstance(self.norm_eps, float) and self.norm_eps > 0):
+            raise ValueError(f"ModelConfig.norm_eps must be a positive float or None, got {self.norm_eps!r}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"ModelConfig.n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
-            raise ValueError(f"ModelConfig head_dim={self.head_dim} (d_model / n_heads) must be even for RoPE")
+            raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"ModelConfig.attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
         if not 0 <= self.full_attention_last_n_layers <= self.n_layers:
@@ -93,10 +110,6 @@ class ModelConfig:
                 f"ModelConfig.full_attention_last_n_layers must be in [0, n_layers={self.n_layers}], "
                 f"got {self.full_attention_last_n_layers}"
             )
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
 
     def layer_attention(self) -> list[str]:
         """The attention kind of each layer, first to last."""
@@ -153,8 +166,13 @@ class ModelConfig:
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, sin)``, each ``[S, D/2]`` fp32, for rotary position embeddings."""
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    """``(cos, sin)``, each ``[S, D/2]`` fp32, for rotary position embeddings.
+
+    The frequencies are ``1 / base ** (2i / D)`` with Llama's rounding (``base ** (-2i / D)`` differs in
+    the last bit, and at thousands of positions that moves logits of a pretrained model by 1e-4).
+    """
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (base**exponents)
     angles = torch.arange(seq_len, device=device, dtype=torch.float32)[:, None] * inv_freq
     return angles.cos(), angles.sin()
 
@@ -234,9 +252,9 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, kind: str):
         super().__init__()
-        self.attn_norm = nn.RMSNorm(config.d_model)
+        self.attn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.attn = CausalSelfAttention(config, kind)
-        self.mlp_norm = nn.RMSNorm(config.d_model)
+        self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.mlp = SwiGLU(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: ChunkLayout | None = None,
@@ -251,7 +269,7 @@ class GPT(nn.Module):
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(Block(config, kind) for kind in config.layer_attention())
-        self.norm = nn.RMSNorm(config.d_model)
+        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight

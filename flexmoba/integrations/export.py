@@ -11,9 +11,9 @@ The GPT is a Llama, exactly (fp32):
 
 - RoPE: both rotate the halves ``(x[:D/2], x[D/2:])`` of each head (Llama's ``rotate_half``)
   with ``base ** (-2i / D)``, so q/k projection rows keep their order;
-- RMSNorm: ``nn.RMSNorm`` without ``eps`` uses the input dtype's machine epsilon, which is
-  ``rms_norm_eps = finfo(float32).eps`` in fp32 (Llama always normalizes in fp32: bf16
-  runs differ by that rounding, not by the mapping);
+- RMSNorm: ``rms_norm_eps`` is the config's ``norm_eps``; without one, ``nn.RMSNorm`` uses the
+  input dtype's machine epsilon, written as ``finfo(float32).eps`` (Llama always normalizes in
+  fp32: bf16 runs differ by that rounding, not by the mapping);
 - SwiGLU ``w_down(silu(w_gate x) * w_up x)`` is Llama's MLP; no biases anywhere;
 - GQA: ``num_key_value_heads = n_kv_heads``; in both, query head ``h`` reads key/value
   head ``h // (H / H_kv)``; attention scale ``head_dim ** -0.5`` in both;
@@ -31,7 +31,7 @@ import torch
 
 from flexmoba.model import GPT, ModelConfig
 
-__all__ = ["llama_config", "llama_state_dict", "moba_settings", "to_llama"]
+__all__ = ["LAYER_WEIGHTS", "MODEL_WEIGHTS", "llama_config", "llama_state_dict", "moba_settings", "to_llama"]
 
 LAYER_WEIGHTS = {  # GPT block parameter -> Llama decoder layer parameter
     "attn_norm.weight": "input_layernorm.weight",
@@ -68,7 +68,8 @@ def llama_config(config: ModelConfig, layer_attention: list[str], max_position_e
         vocab_size=config.vocab_size, hidden_size=config.d_model, intermediate_size=config.mlp_hidden,
         num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads,
         num_key_value_heads=config.n_kv_heads, head_dim=config.head_dim, hidden_act="silu",
-        max_position_embeddings=max_position_embeddings, rms_norm_eps=torch.finfo(torch.float32).eps,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=config.norm_eps or torch.finfo(torch.float32).eps,
         rope_theta=config.rope_base, tie_word_embeddings=config.tie_embeddings, attention_bias=False,
         mlp_bias=False, attention_dropout=0.0, initializer_range=config.init_std,
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
@@ -88,7 +89,7 @@ def llama_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     return state
 
 
-def to_llama(model: GPT, max_position_embeddings: int = 4096):
+def to_llama(model: GPT, max_position_embeddings: int | None = None):
     """A ``LlamaForCausalLM`` (eval mode, on CPU, GPT's dtype) computing ``model``'s logits.
 
     ``max_position_embeddings`` is informational for RoPE as both models compute it; set
@@ -96,7 +97,8 @@ def to_llama(model: GPT, max_position_embeddings: int = 4096):
     """
     from transformers import LlamaForCausalLM
 
-    config = llama_config(model.config, model.layer_attention(), max_position_embeddings)
+    positions = max_position_embeddings or model.config.max_seq_len or 4096
+    config = llama_config(model.config, model.layer_attention(), positions)
     llama = LlamaForCausalLM(config).to(next(model.parameters()).dtype)
     llama.load_state_dict({name: t.detach().cpu() for name, t in llama_state_dict(model).items()})
     return llama.eval()

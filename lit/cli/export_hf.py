@@ -27,7 +27,7 @@ from typing import Literal
 
 import torch
 
-from flexmoba.checkpoint import load_model, read_checkpoint
+from flexmoba.checkpoint import checkpoint_tokenizer, load_model, read_checkpoint
 from flexmoba.integrations.export import to_llama
 from lit.cli import checks
 from lit.cli.options import fail, parse_dataclass
@@ -38,14 +38,6 @@ WeightDtype = Literal["float32", "bfloat16", "float16"]
 
 class TokenizerMismatch(ValueError):
     """The tokenizer to write cannot go with the checkpoint's model."""
-
-
-def checkpoint_tokenizer(checkpoint: dict) -> str | None:
-    """The tokenizer (its JSON) a token-level data module saved in the checkpoint, or None."""
-    for value in checkpoint.values():
-        if isinstance(value, dict) and isinstance(value.get("tokenizer_json"), str):
-            return value["tokenizer_json"]
-    return None
 
 
 def read_tokenizer(path: str | Path) -> str:
@@ -74,8 +66,9 @@ def export_checkpoint(ckpt: str | Path | dict, out: str | Path, max_position_emb
     """Write the ``LlamaForCausalLM`` of checkpoint ``ckpt`` (a path, or its dict) to the folder ``out``;
     returns ``out``.
 
-    ``max_position_embeddings`` defaults to the training ``seq_len`` the checkpoint records
-    (or 4096): informational, RoPE runs at any length. ``dtype``: of the written weights
+    ``max_position_embeddings`` defaults to the model's context (``max_seq_len``), else the training
+    ``seq_len`` the checkpoint records (or 4096): informational, RoPE runs at any length. ``dtype``: of the
+    written weights
     (the logits match the flexmoba model's in float32). ``tokenizer``: a ``tokenizer.json`` to write
     instead of the checkpoint's own (TokenizerMismatch if its ids exceed the model's vocabulary).
     """
@@ -86,7 +79,7 @@ def export_checkpoint(ckpt: str | Path | dict, out: str | Path, max_position_emb
     out = Path(out)
     if tokenizer_json is not None:
         write_tokenizer(tokenizer_json, model.config.vocab_size, out)
-    llama = to_llama(model, max_position_embeddings or seq_len or DEFAULT_MAX_POSITIONS)
+    llama = to_llama(model, max_position_embeddings or model.config.max_seq_len or seq_len or DEFAULT_MAX_POSITIONS)
     llama.to(getattr(torch, dtype)).save_pretrained(out)
     return out
 

@@ -1,7 +1,11 @@
-"""Generate bytes from a LitLM checkpoint, prompted from the command line.
+"""Generate text from a flexmoba checkpoint, prompted from the command line.
 
     flexmoba generate --ckpt runs/moba/checkpoints/last.ckpt --prompt "def " --max_new_bytes 200
     flexmoba generate --ckpt ... --prompt "import " --temperature 0.8 --sample_top_k 40 --seed 0
+    flexmoba generate --ckpt runs/pretrained/smollm2/model.ckpt --prompt "def fib(n):" --max_new_tokens 40
+
+A byte-level model continues the prompt's bytes; a model that carries a tokenizer (token-level data,
+``flexmoba import-hf``) continues its tokens and prints them decoded.
 
 Greedy when ``--temperature 0`` (the default); on the GPU when there is one (``--device``).
 The prompt is prefilled once and every new byte decodes against per-layer KV caches (MoBA
@@ -17,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from flexmoba.checkpoint import load_model
+from flexmoba.checkpoint import checkpoint_tokenizer, load_model
 from flexmoba.model import GPT
 from lit.cli import checks
 from lit.cli.options import parse_dataclass
@@ -36,6 +40,23 @@ def generate(model: GPT, prompt: bytes, max_new_bytes: int, temperature: float =
     return bytes(out[0, len(prompt):].tolist())
 
 
+@torch.no_grad()
+def generate_tokens(model: GPT, tokenizer_json: str, prompt: str, max_new_tokens: int, temperature: float = 0.0,
+                    top_k: int | None = None, generator: torch.Generator | None = None,
+                    dense_decode: bool = False) -> str:
+    """The text of ``max_new_tokens`` tokens continuing ``prompt`` (encoded with the model's tokenizer)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    ids = tokenizer.encode(prompt).ids
+    if not ids:
+        raise ValueError("the prompt must hold at least one token")
+    device = next(model.parameters()).device
+    tokens = torch.tensor([ids], dtype=torch.long, device=device)  # [1, S]
+    out = model.generate(tokens, max_new_tokens, temperature, top_k, generator, dense_decode=dense_decode)
+    return tokenizer.decode(out[0, len(ids):].tolist())
+
+
 @dataclass
 class GenerateJob:
     """What ``flexmoba generate`` samples.
@@ -43,7 +64,8 @@ class GenerateJob:
     Args:
         ckpt: a flexmoba checkpoint (e.g. runs/moba/checkpoints/last.ckpt).
         prompt: text prompt (UTF-8).
-        max_new_bytes: bytes to generate.
+        max_new_bytes: bytes to generate (a byte-level model).
+        max_new_tokens: tokens to generate (a model that carries a tokenizer).
         temperature: softmax temperature; 0 is greedy.
         sample_top_k: sample only among the k likeliest bytes (not MoBA's top-k).
         seed: sampling seed.
@@ -55,6 +77,7 @@ class GenerateJob:
     ckpt: str
     prompt: str = "def "
     max_new_bytes: int = 200
+    max_new_tokens: int = 64
     temperature: float = 0.0
     sample_top_k: int | None = None
     seed: int = 0
@@ -63,8 +86,10 @@ class GenerateJob:
     device: str = "auto"
 
     def __post_init__(self):
-        if self.max_new_bytes < 0 or self.temperature < 0:
-            raise ValueError("--max_new_bytes and --temperature must be >= 0")
+        if not self.prompt:
+            raise ValueError("--prompt: must hold at least one character, the text the model continues")
+        if self.max_new_bytes < 0 or self.max_new_tokens < 0 or self.temperature < 0:
+            raise ValueError("--max_new_bytes, --max_new_tokens and --temperature must be >= 0")
         if self.sample_top_k is not None and self.sample_top_k < 1:
             raise ValueError(f"--sample_top_k must be a positive int, got {self.sample_top_k}")
 
@@ -77,6 +102,12 @@ def main(argv: list[str] | None = None) -> None:
     if job.attention:
         model.set_attention_override(job.attention)
     generator = torch.Generator(device=device).manual_seed(job.seed)
+    tokenizer_json = checkpoint_tokenizer(checkpoint)
+    if tokenizer_json is not None:
+        text = generate_tokens(model, tokenizer_json, job.prompt, job.max_new_tokens, job.temperature,
+                               job.sample_top_k, generator, job.dense_decode)
+        print(job.prompt + text, flush=True)
+        return
     prompt = job.prompt.encode()
     out = generate(model, prompt, job.max_new_bytes, job.temperature, job.sample_top_k, generator, job.dense_decode)
     sys.stdout.buffer.write(prompt + out)

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.util
+import re
 import sys
 from pathlib import Path
 
-import flexmoba
 from lit.cli.console import quiet_console
 from lit.cli.errors import fail, one_line_errors
 
@@ -32,31 +33,51 @@ SUBCOMMANDS = {
     "retrieval": ("lit.experiments.retrieval", "needle-retrieval evaluation of a checkpoint"),
     "generate": ("lit.cli.generate", "sample bytes from a checkpoint with MoBA KV-cache decoding"),
     "export-hf": ("lit.cli.export_hf", "write a Hugging Face LlamaForCausalLM folder from a checkpoint"),
+    "import-hf": ("lit.cli.import_hf", "a pretrained Llama (HF folder, GGUF, smollm2) as a flexmoba checkpoint"),
+    "context-eval": ("lit.experiments.context_eval", "loss by position and passkey retrieval per attention arm"),
+    "gap-closed": ("lit.experiments.gap_closed", "how much of MoBA's gap continued training closes, per window"),
     "bench": ("benchmarks", "run a benchmark: flexmoba bench {attention,decode,documents,mask_build,...} --help"),
 }
+
+
+def version() -> str:
+    """``flexmoba.__version__``, read from its file: ``--version`` and ``--help`` import neither flexmoba
+    nor torch (seconds), only a subcommand does."""
+    init = Path(importlib.util.find_spec("flexmoba").origin).read_text(encoding="utf-8")
+    return re.search(r'^__version__ = "([^"]+)"', init, re.MULTILINE).group(1)
 
 
 def usage() -> str:
     width = max(map(len, SUBCOMMANDS))
     rows = [f"  {name:<{width}}  {about}" for name, (_, about) in SUBCOMMANDS.items()]
-    return "\n".join([f"usage: flexmoba <subcommand> [options]   (flexmoba {flexmoba.__version__})", "",
+    return "\n".join([f"usage: flexmoba <subcommand> [options]   (flexmoba {version()})", "",
                       __doc__.split("\n\n")[1].rstrip(), "", "subcommands:", *rows])
 
 
+def benchmark_names(folder: Path) -> list[str]:
+    """What ``flexmoba bench NAME`` runs: the modules of ``folder`` (benchmarks/) that define ``main``."""
+    return sorted(path.stem for path in folder.glob("*.py") if "\ndef main(" in path.read_text(encoding="utf-8"))
+
+
 def run_benchmark(argv: list[str]) -> None:
-    if not argv or argv[0].startswith("-"):
-        fail("bench: name a benchmark: attention, decode, documents, mask_build, train_step, union_density, gpu_check")
     checkout = Path(__file__).resolve().parents[2]
     if not (checkout / "benchmarks").is_dir():
         fail("bench: the benchmarks run from a checkout of the repository (benchmarks/ is not installed)")
+    names = benchmark_names(checkout / "benchmarks")
+    if argv and argv[0] in ("-h", "--help"):
+        print(f"usage: flexmoba bench NAME [options]   (flexmoba bench NAME --help: its options)\n\n"
+              f"benchmarks: {', '.join(names)}")
+        return
+    if not argv or argv[0].startswith("-"):
+        fail(f"bench: name a benchmark: {', '.join(names)}")
+    name = argv[0].replace("-", "_")
+    if name not in names:
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        fail(f"bench: no benchmark named {argv[0]!r}; {hint}one of {', '.join(names)}")
     if str(checkout) not in sys.path:
         sys.path.insert(0, str(checkout))
-    name = argv[0].replace("-", "_")
-    try:
-        module = importlib.import_module(f"benchmarks.{name}")
-    except ModuleNotFoundError:
-        fail(f"bench: no benchmark named {argv[0]!r} (benchmarks/ in the repository root)")
-    module.main(argv[1:])
+    importlib.import_module(f"benchmarks.{name}").main(argv[1:])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -65,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         print(usage())
         return
     if argv[0] == "--version":
-        print(f"flexmoba {flexmoba.__version__}")
+        print(f"flexmoba {version()}")
         return
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import json
 import logging
 import os
 import re
@@ -34,7 +35,7 @@ from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from flexmoba.checkpoint import checkpoint_config, read_checkpoint
+from flexmoba.checkpoint import architecture_mismatch, checkpoint_config, checkpoint_tokenizer, read_checkpoint
 from flexmoba.host_memory import keep_freed_memory
 from flexmoba.model import ModelConfig
 from lit.cli import checks
@@ -197,16 +198,52 @@ def follow_data_vocabulary(config: Namespace) -> str | None:
     return None
 
 
-# What the weights' shapes depend on: a checkpoint loads into a model only if these agree.
-WEIGHT_SHAPE_FIELDS = ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "mlp_hidden", "tie_embeddings")
-
-
 def model_mismatch(path: str, config: ModelConfig) -> str | None:
-    """How the model saved in ``path`` differs in shape from ``config``, or None."""
-    saved = checkpoint_config(read_checkpoint(path))
-    differ = [f"{name} {getattr(saved, name)} != {getattr(config, name)}" for name in WEIGHT_SHAPE_FIELDS
-              if getattr(saved, name) != getattr(config, name)]
-    return ", ".join(differ) or None
+    """How the model saved in ``path`` differs in architecture from ``config``, or None."""
+    return architecture_mismatch(checkpoint_config(read_checkpoint(path)), config)
+
+
+def init_from_problem(config: Namespace) -> str | None:
+    """Why ``--model.init_from`` cannot start this run, naming the option, or None: not a checkpoint, another
+    architecture, a data tokenizer other than the one the weights were trained with."""
+    model = as_dict(config.get("model"))
+    path = model.get("init_args", model).get("init_from")
+    if path is None:
+        return None
+    try:
+        checkpoint = checks.checkpoint_file("--model.init_from", path)
+    except UsageError as error:
+        return str(error)
+    mismatch = architecture_mismatch(checkpoint_config(checkpoint), parsed_model_config(config))
+    if mismatch:
+        return (f"--model.init_from: {path} holds another architecture ({mismatch}); set --model.config to the "
+                "checkpoint's (see configs/pretrained/)")
+    data = as_dict(config.get("data"))
+    return tokenizer_problem(checkpoint_tokenizer(checkpoint), data.get("init_args", data), path)
+
+
+def tokenizer_problem(expected: str | None, data: dict, path: str) -> str | None:
+    """Why the data's tokens are not the ones the weights of ``path`` read (tokenizer ``expected``), or None."""
+    if expected is None:
+        return None
+    given = data.get("tokenizer")
+    if given is None:
+        return (f"--data.tokenizer: the weights of {path} read the tokens of their own tokenizer; use "
+                "--data lit.training.tokenizer.TokenFilesData --data.tokenizer <its tokenizer.json>")
+    if not os.path.isfile(given) or json.loads(Path(given).read_text()) != json.loads(expected):
+        return f"--data.tokenizer: {given} is not the tokenizer the weights of {path} were trained with"
+    return None
+
+
+def context_problem(config: Namespace) -> str | None:
+    """``--data.seq_len`` beyond the model's context (``max_seq_len``), or None."""
+    limit = parsed_model_config(config).max_seq_len
+    data = as_dict(config.get("data"))
+    seq_len = data.get("init_args", data).get("seq_len")
+    if limit is not None and seq_len > limit:
+        return (f"--data.seq_len: {seq_len} tokens exceed the model's context of {limit} "
+                "(--model.config.max_seq_len); give at most that")
+    return None
 
 
 def parsed_model_config(config: Namespace) -> ModelConfig:
@@ -282,7 +319,8 @@ def checkpoint_to_use(config: Namespace, subcommand: str) -> str | None:
     random weights."""
     ckpt_path = config.get("ckpt_path")
     if ckpt_path is None:
-        if subcommand == "fit":
+        model = as_dict(config.get("model"))
+        if subcommand == "fit" or model.get("init_args", model).get("init_from") is not None:
             return None
         raise UsageError("--ckpt_path", f"{subcommand} without a checkpoint would score an untrained model",
                          "pass --ckpt_path last (the run folder's newest) or --ckpt_path PATH")
@@ -324,8 +362,8 @@ class FlexMobaCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         config = self.config[subcommand] if subcommand else self.config
         self.complete(config)
-        problem = follow_data_vocabulary(config) or config_problem(config) or trainer_problem(
-            as_dict(config.get("trainer")))
+        problem = (follow_data_vocabulary(config) or config_problem(config) or context_problem(config)
+                   or init_from_problem(config) or trainer_problem(as_dict(config.get("trainer"))))
         if problem:
             parser.error(problem)
         try:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import ThroughputMonitor
 from torch.utils.checkpoint import checkpoint
 
+from flexmoba.checkpoint import model_weights, read_checkpoint
 from flexmoba.model import GPT, ModelConfig
 from lit.training import metric_names as names
 from lit.training.context_parallel import MESH_DIMS, context_parallel_group, gather_positions, group_sum
@@ -51,6 +52,10 @@ class LitLM(L.LightningModule):
         activation_checkpointing: recompute each block's activations in the backward
             instead of keeping them (less memory, about one more forward of compute).
         compile: ``torch.compile`` the whole model (after FSDP2 sharding, if any).
+        init_from: a flexmoba checkpoint whose weights the model starts from (``flexmoba import-hf``'s
+            ``model.ckpt``, or another run's): continued training of a pretrained model. Its
+            architecture must equal ``config``'s (checked when the command line is parsed); the
+            attention (``attention``, ``moba``, ``full_attention_last_n_layers``) may differ.
     """
 
     def __init__(
@@ -67,6 +72,7 @@ class LitLM(L.LightningModule):
         trailing_window: int = 256,
         activation_checkpointing: bool = False,
         compile: bool = False,
+        init_from: str | None = None,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -74,6 +80,8 @@ class LitLM(L.LightningModule):
         # Plain data, so that checkpoints load with torch.load(weights_only=True).
         self.hparams["config"] = dataclasses.asdict(self.config)
         self.model = GPT(self.config)
+        if init_from is not None:
+            self.model.load_state_dict(model_weights(read_checkpoint(init_from)))
         self.seq_len = seq_len
         self.windows = position_windows(seq_len, position_window)
         self.metrics = torch.nn.ModuleDict()

@@ -100,11 +100,15 @@ def parse(command: str, monkeypatch, capsys) -> None:
 def parse_job(name: str, args: list[str]) -> None:
     from lit.cli.export_hf import ExportJob
     from lit.cli.generate import GenerateJob
+    from lit.cli.import_hf import ImportJob
     from lit.cli.options import parse_dataclass
+    from lit.experiments.context_eval import ContextEvalJob
+    from lit.experiments.gap_closed import GapClosedJob
     from lit.experiments.retrieval import EvaluateJob
     from lit.experiments.scaling_report import ReportJob
 
-    jobs = {"generate": GenerateJob, "export-hf": ExportJob, "scaling-report": ReportJob, "retrieval": EvaluateJob}
+    jobs = {"generate": GenerateJob, "export-hf": ExportJob, "scaling-report": ReportJob, "retrieval": EvaluateJob,
+            "import-hf": ImportJob, "context-eval": ContextEvalJob, "gap-closed": GapClosedJob}
     if name == "retrieval":
         assert args[0] == "evaluate", args
         args = args[1:]

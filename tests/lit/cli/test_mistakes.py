@@ -70,11 +70,22 @@ MISTAKES = [
     (["generate", "--ckpt", "{run}"], "--ckpt: {run} is a folder; give a checkpoint file in it"),
     (["generate", "--ckpt", "{run}/checkpoints/last.ckpt", "--max_new_bytes", "-1"], "must be >= 0"),
     (["generate", "--ckpt", "{run}/checkpoints/last.ckpt", "--temp", "0.5"], "unrecognized arguments: --temp"),
+    (["generate", "--ckpt", "{run}/checkpoints/last.ckpt", "--prompt", ""], "--prompt: must hold at least one"),
     # export-hf
     (["export-hf", "--ckpt", "{missing}", "--out", "{empty}/hf"], "--ckpt: {missing} does not exist"),
     (["export-hf", "--ckpt", "{run}/checkpoints/last.ckpt", "--out", "{held}"],
      "--out: {held} already holds output (earlier.md); pass --overwrite true to replace it"),
     (["export-hf", "--ckpt", "{run}/checkpoints/last.ckpt", "--out", "{file}"], "--out: {file} is a file"),
+    # import-hf, context-eval, gap-closed
+    (["import-hf", "--source", "{missing}", "--out", "{empty}/i"], "--source: {missing}: no such file or folder"),
+    (["import-hf", "--source", "smollm2", "--out", "{held}"], "--out: {held} already holds output"),
+    (["context-eval", "--ckpt", "{missing}", "--out", "{empty}/e"], "--ckpt: {missing} does not exist"),
+    (["context-eval", "--ckpt", "{run}/checkpoints/last.ckpt", "--out", "{empty}/e", "--arms", "[moba:8]"],
+     "--arms: 'moba:8' is not an arm; give full, moba:CHUNK:TOPK"),
+    (["context-eval", "--ckpt", "{run}/checkpoints/last.ckpt", "--out", "{empty}/e"],
+     "--tokenizer: {run}/checkpoints/last.ckpt carries no tokenizer"),
+    (["gap-closed", "--before", "{empty}", "--moba", "{empty}", "--control", "{empty}", "--out", "{empty}/g"],
+     "--before: {empty} holds no context-eval records"),
     # retrieval
     (["retrieval", "evaluate", "--ckpt", "{missing}", "--out", "{empty}/r"], "--ckpt: {missing} does not exist"),
     (["retrieval", "evaluate", "--ckpt", "{run}/checkpoints/last.ckpt", "--out", "{held}"],
@@ -86,10 +97,12 @@ MISTAKES = [
     (["sweep", str(CONFIGS / "sweep" / "toy.yaml"), "--pla"], "unrecognized arguments: --pla"),
     (["scaling-report", "--sweep_dir", "{missing}"], "--sweep_dir: no finished runs"),
     (["scaling-report", "--sweep", "{missing}"], "unrecognized arguments: --sweep"),
+    (["scaling-report", "{empty}"], "--sweep_dir: {empty} is given without an option name; give --sweep_dir {empty}"),
     # bench, the command itself
     (["bench", "attention", "--repeats", "1"], "--repeats: must be >= 2, got 1"),
     (["bench", "attention", "--seq_len", "128"], "unrecognized arguments: --seq_len 128; did you mean --seq_lens?"),
     (["bench", "no_such"], "no benchmark named 'no_such'"),
+    (["bench", "attn"], "no benchmark named 'attn'; did you mean attention? one of attention, context_parallel,"),
     (["comprae"], "unknown subcommand 'comprae'; did you mean compare?"),
 ]
 WITHOUT_A_GPU = [

@@ -1,0 +1,140 @@
+"""How much of MoBA's training-free gap continued training closes, per position window.
+
+    flexmoba gap-closed --before docs/pretrained/training_free --moba runs/eval/moba --control runs/eval/full \\
+        --out docs/pretrained/continued
+
+Three ``flexmoba context-eval`` folders over the same documents: ``before``, the pretrained model (arms
+``full`` and ``moba:CHUNK:TOPK``); ``moba``, the model after continued training with MoBA; ``control``, after
+the same continued training with full attention (it adapts to the corpus too). Per document and window:
+
+- the gap before: the pretrained model with MoBA minus itself with full attention;
+- the gap after: the MoBA-trained model with MoBA minus the control with full attention;
+- closed: ``1 - mean(gap after) / mean(gap before)``, with a 95% percentile interval from resampling the
+  documents (2,000 draws, seeded), so the interval carries the documents' spread of both gaps.
+
+Writes ``gap_closed.json``, ``gap_closed.md`` and ``gap_closed.png`` into ``out``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lit.cli.errors import UsageError
+from lit.cli.options import parse_dataclass
+from lit.experiments.context_eval import FULL, read_records
+
+DRAWS = 2000
+
+
+def window_table(folder: Path, arm: str, option: str) -> dict[str, list[float]]:
+    """Document -> its window losses and trailing loss (last), of one arm of a context-eval folder."""
+    records = read_records(folder / "records.jsonl")
+    rows = {r["document"]: [*r["windows"], r["trailing"]] for r in records
+            if r["kind"] == "position" and r["arm"] == arm}
+    if not rows:
+        raise UsageError(option, f"{folder} holds no position records of arm {arm!r}",
+                         "give a context-eval folder that scored it")
+    return rows
+
+
+def closed_share(before: np.ndarray, after: np.ndarray, seed: int = 0) -> dict:
+    """``before``, ``after``: ``[documents]`` gaps of one window. The share closed and its bootstrap interval."""
+    rng = np.random.default_rng(seed)
+    draws = rng.integers(0, len(before), (DRAWS, len(before)))
+    shares = 1 - after[draws].mean(1) / before[draws].mean(1)
+    low, high = np.percentile(shares, [2.5, 97.5])
+    return {"gap_before": float(before.mean()), "gap_after": float(after.mean()),
+            "closed": float(1 - after.mean() / before.mean()), "low": float(low), "high": float(high)}
+
+
+def gap_closed(before: Path, moba: Path, control: Path, arm: str) -> dict:
+    tables = {"base_full": window_table(before, FULL, "--before"), "base_moba": window_table(before, arm, "--before"),
+              "moba": window_table(moba, arm, "--moba"), "control": window_table(control, FULL, "--control")}
+    documents = sorted(set.intersection(*(set(t) for t in tables.values())))
+    if len(documents) < 2:
+        raise UsageError("--before", f"the folders share {len(documents)} documents", "score the same documents")
+    arrays = {k: np.array([t[d] for d in documents]) for k, t in tables.items()}  # [documents, windows + 1]
+    gap_before = arrays["base_moba"] - arrays["base_full"]
+    gap_after = arrays["moba"] - arrays["control"]
+    window = json.loads((before / "job.json").read_text())["window"]
+    columns = [f"{i * window}-{(i + 1) * window}" for i in range(gap_before.shape[1] - 1)] + ["trailing"]
+    return {"arm": arm, "documents": documents, "windows": columns,
+            "rows": [closed_share(gap_before[:, i], gap_after[:, i]) | {"window": c} for i, c in enumerate(columns)]}
+
+
+def markdown(result: dict, command: str) -> str:
+    lines = [f"# Continued training: the share of the training-free gap closed ({result['arm']}, "
+             f"{len(result['documents'])} held-out documents)", "", f"`{command}`", "",
+             "| window | gap before | gap after | closed | 95% interval |", "|---|---|---|---|---|"]
+    for row in result["rows"]:
+        lines.append(f"| {row['window']} | {row['gap_before']:+.3f} | {row['gap_after']:+.3f} | "
+                     f"{row['closed']:.0%} | [{row['low']:.0%}, {row['high']:.0%}] |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["window"] != "trailing"]
+    x = range(len(rows))
+    fig, axis = plt.subplots(figsize=(7, 3.5))
+    axis.plot(x, [r["gap_before"] for r in rows], marker="o", label="before (pretrained, MoBA - full)")
+    axis.plot(x, [r["gap_after"] for r in rows], marker="o", label="after (MoBA-trained - full-trained control)")
+    axis.axhline(0, color="black", linewidth=0.5)
+    axis.set_xticks(list(x), [r["window"] for r in rows], rotation=30, fontsize=7)
+    axis.set_ylabel("nats/token")
+    axis.set_title(f"MoBA's gap to full attention, {len(result['documents'])} documents")
+    axis.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@dataclass
+class GapClosedJob:
+    """What ``flexmoba gap-closed`` compares.
+
+    Args:
+        before: the context-eval folder of the pretrained model.
+        moba: the context-eval folder of the model continued with MoBA.
+        control: the context-eval folder of the model continued with full attention.
+        out: the folder for gap_closed.json, .md and .png.
+        arm: the MoBA arm compared (as context-eval names it).
+    """
+
+    before: str
+    moba: str
+    control: str
+    out: str
+    arm: str = "moba:512:3"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    job = parse_dataclass(GapClosedJob, argv, prog="flexmoba gap-closed", description=__doc__)
+    for option in ("before", "moba", "control"):
+        if not (Path(getattr(job, option)) / "records.jsonl").is_file():
+            raise UsageError(f"--{option}", f"{getattr(job, option)} holds no context-eval records")
+    result = gap_closed(Path(job.before), Path(job.moba), Path(job.control), job.arm)
+    out = Path(job.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gap_closed.json").write_text(json.dumps(result, indent=1))
+    (out / "gap_closed.md").write_text(markdown(result, "flexmoba gap-closed " + " ".join(sys.argv[1:])))
+    plot(result, out / "gap_closed.png")
+    trailing = result["rows"][-1]
+    print(f"gap-closed: trailing window {trailing['closed']:.0%} of the gap closed "
+          f"[{trailing['low']:.0%}, {trailing['high']:.0%}]; see {out}")
+    return result
+
+
+if __name__ == "__main__":
+    from lit.cli.main import main as flexmoba
+
+    flexmoba(["gap-closed", *sys.argv[1:]])

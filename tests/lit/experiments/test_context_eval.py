@@ -1,0 +1,149 @@
+"""``flexmoba context-eval``: its windows are the models' own losses, its differences are paired by document,
+its intervals are Student's t, a killed run resumes to the same numbers, and the passkey sits where it says."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+pytest.importorskip("lightning")
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "cli"))
+from flexmoba.checkpoint import load_model  # noqa: E402
+from lit.cli import import_hf  # noqa: E402
+from lit.cli.errors import UsageError  # noqa: E402
+from lit.experiments import context_eval  # noqa: E402
+from lit.training.tokenizer import train_byte_level_bpe  # noqa: E402
+
+from tiny_llama import VOCAB, save_tiny_llama  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+SEQ_LEN, WINDOW, TRAILING = 128, 32, 16
+ARMS = ["full", "moba:16:2", "moba:16:2:1"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("context_eval")
+    checkpoint = import_hf.main(["--source", str(save_tiny_llama(root / "hf")), "--out", str(root / "imported")])
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i in range(24):
+        (corpus / f"doc{i:02d}.txt").write_text(" ".join(f"w{(i * 13 + j * j) % VOCAB}" for j in range(300)))
+    return {"root": root, "checkpoint": checkpoint, "corpus": corpus}
+
+
+def job_args(setup, out: Path) -> list[str]:
+    return ["--ckpt", str(setup["checkpoint"]), "--out", str(out), "--arms", json.dumps(ARMS),
+            "--seq_len", str(SEQ_LEN), "--documents", "3", "--window", str(WINDOW), "--trailing", str(TRAILING),
+            "--root", str(setup["corpus"]), "--patterns", '["*.txt"]', "--test_fraction", "0.5",
+            "--retrieval_lengths", "[64, 128]", "--retrieval_depths", "[0.2, 0.8]", "--retrieval_trials", "2"]
+
+
+@pytest.fixture(scope="module")
+def finished(setup) -> Path:
+    out = setup["root"] / "run"
+    context_eval.main(job_args(setup, out))
+    return out
+
+
+def own_losses(setup, arm: str, document: str) -> torch.Tensor:
+    """The document's next-token losses, computed here from the checkpoint and the tokenizer."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(setup["root"] / "imported" / "tokenizer.json"))
+    ids = tokenizer.encode((setup["corpus"] / document).read_text()).ids[: SEQ_LEN + 1]
+    model = load_model(setup["checkpoint"], **context_eval.Arm.parse(arm).overrides())
+    tokens = torch.tensor(ids)[None]
+    with torch.no_grad():
+        return F.cross_entropy(model(tokens[:, :-1])[0], tokens[0, 1:], reduction="none")
+
+
+def test_windows_and_differences_are_the_models_own_losses(setup, finished):
+    summary = json.loads((finished / "results.json").read_text())
+    documents = summary["documents"]
+    assert len(documents) == 3
+    losses = {arm: [own_losses(setup, arm, d) for d in documents] for arm in ARMS}
+    for arm in ARMS:
+        for i in range(SEQ_LEN // WINDOW):
+            per_document = [float(x[i * WINDOW:(i + 1) * WINDOW].mean()) for x in losses[arm]]
+            assert summary["arms"][arm]["windows"][i]["mean"] == pytest.approx(statistics.mean(per_document), abs=1e-5)
+        trailing = [float(x[-TRAILING:].mean()) for x in losses[arm]]
+        assert summary["arms"][arm]["trailing"]["mean"] == pytest.approx(statistics.mean(trailing), abs=1e-5)
+        pairs = zip(losses[arm], losses["full"], strict=True)
+        paired = [float(x[-TRAILING:].mean() - f[-TRAILING:].mean()) for x, f in pairs]
+        assert summary["arms"][arm]["trailing_minus_full"]["mean"] == pytest.approx(statistics.mean(paired), abs=1e-5)
+    # MoBA at 16/2 over 128 tokens is sparse: its late windows are not full attention's
+    assert summary["arms"]["moba:16:2"]["windows_minus_full"][-1]["mean"] != pytest.approx(0.0, abs=1e-6)
+    assert summary["arms"]["moba:16:2"]["windows_minus_full"][0]["mean"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_the_report_and_figures_come_from_the_records(finished):
+    records = context_eval.read_records(finished / "records.jsonl")
+    assert len([r for r in records if r["kind"] == "position"]) == 3 * len(ARMS)
+    assert len([r for r in records if r["kind"] == "retrieval"]) == 2 * 2 * 2 * len(ARMS)
+    summary = json.loads((finished / "results.json").read_text())
+    cells = summary["arms"]["full"]["retrieval"]
+    assert [(c["length"], c["depth"], c["trials"]) for c in cells] == [(64, 0.2, 2), (64, 0.8, 2), (128, 0.2, 2),
+                                                                       (128, 0.8, 2)]
+    text = (finished / "results.md").read_text()
+    assert "3 held-out documents" in text and "MoBA 16/2, last 1 layers full" in text
+    assert (finished / "windows.png").stat().st_size > 0 and (finished / "retrieval.png").stat().st_size > 0
+
+
+def test_a_killed_run_resumes_to_the_same_numbers(setup, finished, tmp_path):
+    out = tmp_path / "resumed"
+    out.mkdir()
+    lines = (finished / "records.jsonl").read_text().splitlines()
+    (out / "job.json").write_text((finished / "job.json").read_text())
+    (out / "records.jsonl").write_text("\n".join(lines[:7]) + "\n" + lines[7][:25])  # killed mid-write
+    context_eval.main(job_args(setup, out))
+    assert json.loads((out / "results.json").read_text()) == json.loads((finished / "results.json").read_text())
+
+
+def test_another_jobs_records_are_refused(setup, finished):
+    with pytest.raises(UsageError, match="holds the records of another context-eval"):
+        context_eval.main([*job_args(setup, finished), "--documents", "2"])
+
+
+def test_the_interval_is_students_t():
+    values = [1.0, 1.5, 0.7, 1.2]
+    entry = context_eval.mean_interval(values)
+    half = 3.182 * statistics.stdev(values) / math.sqrt(4)  # t(0.975, 3 dof)
+    mean = statistics.mean(values)
+    assert (entry["low"], entry["high"]) == pytest.approx((mean - half, mean + half), abs=1e-3)
+
+
+@pytest.mark.parametrize("text", ["moba", "moba:16", "moba:a:2", "sparse:16:2", "moba:16:2:1:0"])
+def test_an_arm_that_is_not_one_is_refused_by_name(text):
+    with pytest.raises(UsageError, match="--arms"):
+        context_eval.Arm.parse(text)
+
+
+def test_the_passkey_sits_at_its_depth_in_a_prompt_of_its_length():
+    tokenizer = train_byte_level_bpe([context_eval.FILLER * 20, context_eval.NEEDLE.format(key=12345)], 400)
+    for length, depth in ((256, 0.0), (256, 0.5), (512, 0.9)):
+        prompt, answer = context_eval.passkey_prompt(tokenizer, length, depth, 48213)
+        assert len(prompt) + len(answer) == length
+        assert tokenizer.decode(answer).strip() == "48213"
+        needle = tokenizer.encode(context_eval.NEEDLE.format(key=48213)).ids
+        starts = [i for i in range(len(prompt)) if prompt[i:i + len(needle)] == needle]
+        room = length - len(needle) - len(tokenizer.encode(context_eval.QUESTION).ids) - len(answer)
+        assert starts == [int(depth * room)]
+
+
+def test_one_arm_alone_reports_its_windows_without_differences(setup, finished, tmp_path):
+    args = job_args(setup, tmp_path / "alone")
+    args[args.index("--arms") + 1] = '["moba:16:2"]'
+    summary = context_eval.main([*args, "--retrieval_lengths", "[]"])
+    entry = summary["arms"]["moba:16:2"]
+    assert "windows_minus_full" not in entry
+    assert entry["windows"] == json.loads((finished / "results.json").read_text())["arms"]["moba:16:2"]["windows"]

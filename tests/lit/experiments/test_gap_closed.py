@@ -1,0 +1,56 @@
+"""``flexmoba gap-closed``: the share of the training-free gap that continued training closes, per window."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning")
+
+from lit.cli.errors import UsageError  # noqa: E402
+from lit.experiments import gap_closed  # noqa: E402
+
+
+def write_eval(folder: Path, losses: dict[str, dict[str, list[float]]]) -> Path:
+    """A context-eval folder whose records hold ``losses[arm][document]`` = windows + trailing."""
+    folder.mkdir(parents=True)
+    (folder / "job.json").write_text(json.dumps({"window": 1024}))
+    with (folder / "records.jsonl").open("w") as f:
+        for arm, documents in losses.items():
+            for document, values in documents.items():
+                f.write(json.dumps({"kind": "position", "arm": arm, "document": document, "windows": values[:-1],
+                                    "trailing": values[-1]}) + "\n")
+    return folder
+
+
+@pytest.fixture
+def folders(tmp_path) -> dict[str, Path]:
+    documents = ["a.py", "b.py", "c.py", "d.py"]
+    full = {d: [2.0 + i, 1.5 + i, 1.4 + i] for i, d in enumerate(documents)}
+    gaps_before = {"a.py": 0.4, "b.py": 0.6, "c.py": 0.5, "d.py": 0.5}  # mean 0.5
+    gaps_after = {"a.py": 0.1, "b.py": 0.3, "c.py": 0.2, "d.py": 0.2}  # mean 0.2: 60% closed
+    before = {"full": full, "moba:512:3": {d: [full[d][0], full[d][1] + gaps_before[d], full[d][2] + gaps_before[d]]
+                                           for d in documents}}
+    control = {"full": {d: [v - 0.3 for v in full[d]] for d in documents}}
+    moba = {"moba:512:3": {d: [full[d][0] - 0.3, full[d][1] - 0.3 + gaps_after[d], full[d][2] - 0.3 + gaps_after[d]]
+                           for d in documents}}
+    return {"before": write_eval(tmp_path / "before", before), "moba": write_eval(tmp_path / "moba", moba),
+            "control": write_eval(tmp_path / "control", control), "out": tmp_path / "out"}
+
+
+def test_the_share_closed_is_one_minus_the_gap_after_over_the_gap_before(folders):
+    result = gap_closed.main([f"--{k}={v}" for k, v in folders.items()])
+    late, trailing = result["rows"][1], result["rows"][2]
+    for row in (late, trailing):
+        assert row["gap_before"] == pytest.approx(0.5) and row["gap_after"] == pytest.approx(0.2)
+        assert row["closed"] == pytest.approx(0.6) and row["low"] <= 0.6 <= row["high"] and row["low"] < row["high"]
+    assert result["windows"] == ["0-1024", "1024-2048", "trailing"]
+    assert "| trailing | +0.500 | +0.200 | 60% |" in (folders["out"] / "gap_closed.md").read_text()
+    assert (folders["out"] / "gap_closed.png").stat().st_size > 0
+
+
+def test_a_folder_without_the_arm_is_refused_by_name(folders):
+    with pytest.raises(UsageError, match="--before: .* holds no position records of arm 'moba:256:3'"):
+        gap_closed.main([*(f"--{k}={v}" for k, v in folders.items()), "--arm", "moba:256:3"])
