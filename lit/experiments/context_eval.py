@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from flexmoba.checkpoint import checkpoint_config, load_model
+from flexmoba.checkpoint import checkpoint_config, checkpoint_tokenizer, load_model
 from flexmoba.model import GPT
 from lit.cli import checks
 from lit.cli.errors import UsageError
@@ -143,7 +143,7 @@ def load_tokenizer_text(job: ContextEvalJob, checkpoint: dict) -> str:
         if not Path(job.tokenizer).is_file():
             raise UsageError("--tokenizer", f"{job.tokenizer} is not a file", "give a tokenizer.json")
         return Path(job.tokenizer).read_text()
-    text = (checkpoint.get("tokenizer") or {}).get("tokenizer_json")
+    text = checkpoint_tokenizer(checkpoint)
     if text is None:
         raise UsageError("--tokenizer", f"{job.ckpt} carries no tokenizer", "give --tokenizer tokenizer.json")
     return text

@@ -123,6 +123,14 @@ def test_a_fit_from_the_imported_weights_validates_without_a_checkpoint(imported
     assert validate["rc"] == 0 and "val/loss" in validate["stdout"] + validate["stderr"], validate["stderr"][-2000:]
     assert fit["rc"] == 0, fit["stderr"][-2000:]
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
+    from lit.experiments import context_eval
+
+    summary = context_eval.main([  # the run's checkpoint carries its data's tokenizer
+        "--ckpt", str(tmp_path / "run" / "checkpoints" / "last.ckpt"), "--out", str(tmp_path / "eval"),
+        "--arms", "[full]", "--seq_len", "64", "--window", "32", "--trailing", "16", "--documents", "2",
+        "--root", str(imported["root"] / "corpus"), "--patterns", '["*.txt"]', "--test_fraction", "0.5",
+        "--retrieval_lengths", "[]"])
+    assert len(summary["documents"]) == 2
 
 
 def test_generate_continues_an_imported_model_with_its_tokenizer(imported, capsys):
