@@ -47,6 +47,7 @@ def test_the_share_closed_is_one_minus_the_gap_after_over_the_gap_before(folders
         assert row["gap_before"] == pytest.approx(0.5) and row["gap_after"] == pytest.approx(0.2)
         assert row["closed"] == pytest.approx(0.6) and row["low"] <= 0.6 <= row["high"] and row["low"] < row["high"]
     assert result["windows"] == ["0-1024", "1024-2048", "trailing"]
+    assert result["rows"][0]["closed"] is None  # MoBA exact there: no gap to close
     assert "| trailing | +0.500 | +0.200 | 60% |" in (folders["out"] / "gap_closed.md").read_text()
     assert (folders["out"] / "gap_closed.png").stat().st_size > 0
 
