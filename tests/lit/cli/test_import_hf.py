@@ -153,7 +153,7 @@ def test_generate_continues_an_imported_model_with_its_tokenizer(imported, capsy
 def fit_command(imported, root: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "lit.cli.main", "fit", "--config", str(imported["fit"]), "--trainer.default_root_dir",
             str(root), "--trainer.max_steps", "6", "--checkpoint.every_n_train_steps", "2",
-            "--trainer.val_check_interval", "6", *extra]
+            "--checkpoint.save_top_k", "-1", "--trainer.val_check_interval", "6", *extra]
 
 
 def last_logged(root: Path) -> dict[str, tuple[str, str]]:

@@ -356,8 +356,10 @@ def final_values(rows: list[dict[str, str]]) -> dict[str, float]:
     return values
 
 
+# 3 batches an epoch: resumed runs cross epochs and reshuffle; every checkpoint kept, so the one
+# the kill waits for cannot be rotated away before the poll sees it
 KILL_RUN = ["--trainer.max_steps", "12", "--checkpoint.every_n_train_steps", "2", "--trainer.val_check_interval", "4",
-            "--trainer.limit_train_batches", "3"]  # 3 batches an epoch: resumed runs cross epochs and reshuffle
+            "--trainer.limit_train_batches", "3", "--checkpoint.save_top_k", "-1"]
 
 
 @pytest.fixture(scope="module")
