@@ -45,6 +45,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from benchmarks.common import (
     BLOCK,
     DEFAULT_OUT,
+    OneLineArgumentParser,
     attended_pairs,
     block_density,
     capture_qkv,
@@ -64,7 +65,6 @@ from flexmoba import compiled_flex_attention, moba_attention, select_chunks, sel
 from flexmoba.flex_plan import plan_from_selection
 from flexmoba.gather import gather_plan
 from flexmoba.masks import dense_moba_mask
-from lit.cli.options import OneLineArgumentParser
 
 METHODS = ("sdpa_causal", "full_flex_causal", "moba_flex", "moba_flex_union", "moba_flex_tile", "moba_sdpa",
            "moba_gather")

@@ -1,19 +1,28 @@
-"""What the benchmarks share: timing, peak memory, reports, causal and MoBA block counts,
-and q/k/v captured from a trained checkpoint."""
+"""What the benchmarks share: their command line, timing, peak memory, reports, causal and MoBA
+block counts, and q/k/v captured from a trained checkpoint.
+
+The benchmarks stand on flexmoba alone (and torch, the standard library): nothing here imports
+``lit``, so ``python -m benchmarks.<name>`` runs from a checkout with the core install.
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import ctypes
+import difflib
+import hashlib
 import json
 import os
 import platform
 import re
 import statistics
+import sys
+import sysconfig
 import time
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from typing import NoReturn
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
@@ -27,6 +36,45 @@ BLOCK = 128  # flex block size of the benchmarks
 
 # Reports go to an ignored folder unless --out names the committed one (benchmarks/results).
 DEFAULT_OUT = Path("runs/benchmarks")
+
+# -- the command line --------------------------------------------------------------------
+
+
+def fail(message: str) -> NoReturn:
+    """End the benchmark as the ``flexmoba`` command ends on a mistake: ``flexmoba: error: message`` as
+    one line (from rank 0 under torchrun) and exit code 2."""
+    if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0))) == 0:
+        sys.stderr.write(f"flexmoba: error: {' '.join(str(message).split())}\n")
+        sys.stderr.flush()
+    raise SystemExit(2)
+
+
+def nearest_option(typo: str, options: list[str]) -> str | None:
+    """The option ``typo`` most likely means: the closest whole name, else the closest last part."""
+    options = [name for name in options if name not in ("--help", "-h")]
+    close = difflib.get_close_matches(typo, options, n=1)
+    if close:
+        return close[0]
+    last_parts = {name.rsplit(".", 1)[-1].lstrip("-"): name for name in options}
+    close = difflib.get_close_matches(typo.rsplit(".", 1)[-1].lstrip("-"), last_parts, n=1)
+    return last_parts[close[0]] if close else None
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse with options spelled out and every error one ``flexmoba: error:`` line (with the option a
+    mistyped one may mean), exit code 2. Its program is ``flexmoba bench`` unless given a ``prog``."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        kwargs.setdefault("prog", "flexmoba bench")
+        super().__init__(*args, **{**kwargs, "allow_abbrev": False})
+
+    def error(self, message: str) -> NoReturn:
+        unknown = re.search(r"unrecognized arguments: (--[\w.]+)", message)
+        options = [name for action in self._actions for name in action.option_strings]
+        close = nearest_option(unknown[1], options) if unknown else None
+        fail(f"{message}; did you mean {close}?" if close else message)
+
 
 # -- timing and memory -------------------------------------------------------------------
 
@@ -227,17 +275,37 @@ def load_checkpoint_model(path: str | Path, device: torch.device) -> GPT:
     return load_model(path, device, **({"moba": {"backend": "gather"}} if device.type == "cpu" else {}))
 
 
+# The training corpus's defaults (lit.training.data.ByteFilesData): the .py files of this interpreter's
+# standard library, these folders skipped, and a tenth of the files (5% val, 5% test by a hash of the path)
+# held out of training.
+SKIPPED_FOLDERS = {"site-packages", "dist-packages", "__pycache__"}
+HELD_OUT = 0.05 + 0.05
+
+
+def corpus_files(root: str) -> list[str]:
+    """The ``.py`` files under ``root`` as the training corpus lists them: sorted relative paths, hidden
+    folders and :data:`SKIPPED_FOLDERS` left out."""
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_FOLDERS and not d.startswith("."))
+        for name in filenames:
+            path = Path(dirpath) / name
+            relative = path.relative_to(root).as_posix()
+            if path.is_file() and PurePosixPath(relative).match("*.py"):
+                files.append(relative)
+    return sorted(files)
+
+
+def held_out(relative_path: str) -> bool:
+    """Whether the training corpus keeps this file out of training (its val and test splits)."""
+    return int(hashlib.sha1(relative_path.encode()).hexdigest()[:12], 16) / 16**12 < HELD_OUT
+
+
 def corpus_tokens(seq_len: int) -> torch.Tensor:
     """``[1, S]`` byte tokens of Python source (the training corpus), held-out files first."""
-    try:
-        from lit.training.data import default_root, list_files, split_of
-
-        root = default_root()
-        files = list_files(root)
-        files.sort(key=lambda f: split_of(f[0], 0.05, 0.05) == "train")  # val/test files first
-        paths = [os.path.join(root, rel) for rel, _ in files]
-    except ImportError:  # Lightning not installed: any Python files next to torch will do
-        paths = sorted(str(p) for p in Path(torch.__file__).parent.rglob("*.py"))
+    root = sysconfig.get_paths()["stdlib"]
+    files = sorted(corpus_files(root), key=lambda rel: not held_out(rel))  # stable: path order within each
+    paths = [os.path.join(root, rel) for rel in files]
     data = bytearray()
     for p in paths:
         if len(data) >= seq_len:

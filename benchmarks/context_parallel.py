@@ -24,10 +24,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import DEFAULT_OUT, peak_extra_mb, settle_malloc
+from benchmarks.common import DEFAULT_OUT, OneLineArgumentParser, peak_extra_mb, settle_malloc
 from flexmoba import MobaSpec
 from flexmoba.context_parallel import ContextParallel, attended_pairs_per_rank, context_parallel_attention
-from lit.cli.options import OneLineArgumentParser
 
 SEQ = 32768
 SHAPE = {"B": 1, "H": 8, "H_kv": 2, "D": 128}

@@ -29,9 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import DEFAULT_OUT, finish_report, print_row
+from benchmarks.common import DEFAULT_OUT, OneLineArgumentParser, finish_report, print_row
 from flexmoba import MoBAKVCache, MobaSpec, moba_decode_attention, moba_reference
-from lit.cli.options import OneLineArgumentParser
 
 COLUMNS = [
     ("seq_len", "context"), ("dense_gqa_ms", "dense SDPA GQA (ms)"), ("dense_grouped_ms", "dense grouped (ms)"),

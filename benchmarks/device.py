@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import OneLineArgumentParser
 from benchmarks.verdict import verdict
-from lit.cli.options import OneLineArgumentParser
 
 
 def cpu_model() -> str:

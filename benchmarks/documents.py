@@ -18,6 +18,7 @@ import torch
 
 from benchmarks.common import (
     DEFAULT_OUT,
+    OneLineArgumentParser,
     finish_report,
     interleaved_median_seconds,
     print_row,
@@ -25,7 +26,6 @@ from benchmarks.common import (
     timing_repeats,
 )
 from flexmoba import MobaSpec, moba_attention
-from lit.cli.options import OneLineArgumentParser
 
 COLUMNS = [
     ("seq_len", "S"), ("batch", "B"), ("documents", "documents"),

@@ -29,11 +29,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.attention import BASELINES, MOBA_BACKENDS, Case, baseline_runner, moba_runner
-from benchmarks.common import markdown_table
+from benchmarks.common import OneLineArgumentParser, markdown_table
 from benchmarks.device import describe
 from benchmarks.verdict import one_line, verdict
 from flexmoba import moba_attention, moba_reference
-from lit.cli.options import OneLineArgumentParser
 
 METHODS = ("moba_flex", "moba_flex_union", "moba_gather", "sdpa_causal")  # what gpu.sh times
 TOLERANCE = {"float32": 5e-3, "bfloat16": 3e-2, "float16": 1e-2}  # of max |ref|

@@ -19,11 +19,11 @@ import sys
 import torch
 import torch._inductor.config as inductor_config
 
+from benchmarks.common import OneLineArgumentParser
 from benchmarks.device import describe
 from benchmarks.gpu_check import outputs_and_grads
 from benchmarks.verdict import one_line, verdict
 from flexmoba import moba_attention
-from lit.cli.options import OneLineArgumentParser
 
 TENSORS = ("out", "dq", "dk", "dv")
 

@@ -26,12 +26,11 @@ from functools import partial
 
 import torch
 
-from benchmarks.common import causal_block_mask, markdown_table, median_seconds, timing_repeats
+from benchmarks.common import OneLineArgumentParser, causal_block_mask, markdown_table, median_seconds, timing_repeats
 from benchmarks.device import describe
 from benchmarks.gpu_check import outputs_and_grads
 from benchmarks.verdict import one_line, verdict
 from flexmoba import compiled_flex_attention, moba_flex_plan, moba_reference
-from lit.cli.options import OneLineArgumentParser
 
 BLOCK = (128, 128)
 TOLERANCE = 3e-2  # bf16, of max |oracle|

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import OneLineArgumentParser
 from benchmarks.device import describe
 from benchmarks.verdict import verdict
-from lit.cli.options import OneLineArgumentParser
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "throughput/train/device/"

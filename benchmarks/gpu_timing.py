@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 
 from benchmarks import attention
+from benchmarks.common import OneLineArgumentParser
 from benchmarks.device import describe
 from benchmarks.gpu_check import not_timed
 from benchmarks.verdict import verdict
-from lit.cli.options import OneLineArgumentParser
 
 
 def summary(rows: list[dict], skipped: dict[str, str]) -> tuple[str, str]:

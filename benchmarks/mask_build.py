@@ -15,9 +15,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import DEFAULT_OUT, block_density, finish_report, median_seconds, print_row, timing_repeats
+from benchmarks.common import (
+    DEFAULT_OUT,
+    OneLineArgumentParser,
+    block_density,
+    finish_report,
+    median_seconds,
+    print_row,
+    timing_repeats,
+)
 from flexmoba import compiled_flex_attention, moba_block_mask, moba_flex_plan
-from lit.cli.options import OneLineArgumentParser
 
 COLUMNS = [
     ("seq_len", "S"), ("granularity", "granularity"), ("build_ms", "mask build (ms)"),

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import (
     DEFAULT_OUT,
+    OneLineArgumentParser,
     finish_report,
     median_seconds,
     peak_extra_mb,
@@ -35,7 +36,6 @@ from benchmarks.common import (
     timing_repeats,
 )
 from flexmoba.model import GPT, ModelConfig
-from lit.cli.options import OneLineArgumentParser
 
 COLUMNS = [
     ("seq_len", "S"), ("batch", "B"), ("attention", "attention"), ("backend", "backend"),

@@ -24,6 +24,7 @@ import torch
 from benchmarks.common import (
     BLOCK,
     DEFAULT_OUT,
+    OneLineArgumentParser,
     attended_pairs,
     capture_qkv,
     finish_report,
@@ -32,7 +33,6 @@ from benchmarks.common import (
 )
 from flexmoba import select_chunks, selection_block_mask
 from flexmoba.flex_plan import plan_from_selection
-from lit.cli.options import OneLineArgumentParser
 
 COLUMNS = [
     ("inputs", "inputs"), ("layer", "layer"), ("seq_len", "S"), ("config", "chunk/top-k"), ("tile", "query tile"),

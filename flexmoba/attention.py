@@ -1,4 +1,4 @@
-"""MoBA attention: validate, gate once, dispatch to a backend of the table (:mod:`flexmoba.backends`)."""
+"""MoBA attention: validate, gate once, dispatch to a backend (:mod:`flexmoba.backends`)."""
 
 from __future__ import annotations
 
@@ -8,21 +8,18 @@ from flexmoba import validation
 from flexmoba.backends import get_backend, resolve_backend
 from flexmoba.gate import select_chunks
 from flexmoba.layout import ChunkLayout
-from flexmoba.spec import Granularity, MobaSpec, resolve_spec
+from flexmoba.spec import MobaSpec, takes_settings
 
 __all__ = ["moba_attention"]
 
 
+@takes_settings
 def moba_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    spec: MobaSpec | None = None,
+    spec: MobaSpec,
     *,
-    chunk_size: int | None = None,
-    top_k: int | None = None,
-    granularity: Granularity | None = None,
-    backend: str | None = None,
     scale: float | None = None,
     document_ids: torch.Tensor | None = None,
     layout: ChunkLayout | None = None,
@@ -32,10 +29,10 @@ def moba_attention(
     Args:
         q: ``[B, H, S, D]``; k, v: ``[B, H_kv, S, D]`` with ``H % H_kv == 0``.
         spec: MoBA's settings as one :class:`flexmoba.MobaSpec`, or give them as keywords:
-        chunk_size: tokens per chunk; chunks restart at each document start.
-        top_k: chunks per query, counting its own chunk.
-        granularity: ``"token"`` (the paper, the default) or an int tile size dividing ``chunk_size``.
-        backend: ``"auto"`` (the default) or a registered backend (``"flex"``, ``"flex_union"``,
+            ``chunk_size`` (tokens per chunk; chunks restart at each document start), ``top_k``
+            (chunks per query, counting its own chunk), ``granularity`` (``"token"``, the paper
+            and the default, or an int tile size dividing ``chunk_size``) and ``backend``
+            (``"auto"``, the default, or a registered backend: ``"flex"``, ``"flex_union"``,
             ``"gather"``, ``"sdpa"``, or one added with :func:`flexmoba.register_backend`).
         scale: softmax scale, default ``D ** -0.5``.
         document_ids: optional ``[B, S]`` ints; nothing attends across documents.
@@ -45,9 +42,8 @@ def moba_attention(
     Returns:
         ``[B, H, S, Dv]`` in q's dtype.
     """
-    spec = resolve_spec(spec, chunk_size, top_k, granularity, backend)
     validation.check_qkv(q, k, v)
     scale = validation.softmax_scale(scale, q)
     selection = select_chunks(q, k, spec, document_ids=document_ids, layout=layout)
-    name = resolve_backend(spec.backend, q, k, v, selection.layout.chunk_size, spec.top_k, spec.granularity)
-    return get_backend(name)(q, k, v, selection, scale)
+    name = resolve_backend(spec.backend, q, k, v, spec.chunk_size, spec.top_k, spec.granularity)
+    return get_backend(name)(q, k, v, selection, scale, query_start=0)

@@ -28,7 +28,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from flexmoba import validation
 from flexmoba.gate import Selection, select_chunks
 from flexmoba.masks import moba_mask_mod
-from flexmoba.spec import Granularity, MobaSpec
+from flexmoba.spec import MobaSpec, takes_settings
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "interval_block_tables", "key_intervals", "moba_block_mask", "selection_block_mask"]
 
@@ -61,7 +61,7 @@ class QueryRows:
     weight: torch.Tensor  # [R]
 
 
-def attended_pairs(starts: torch.Tensor, ends: torch.Tensor, block_size: tuple[int, int],
+def block_pair_counts(starts: torch.Tensor, ends: torch.Tensor, block_size: tuple[int, int],
                    kv_len: int | None = None, rows: QueryRows | None = None) -> torch.Tensor:
     """``[B, H, R, K]`` disjoint-per-row intervals -> ``[B, H, Sq/Bq, kv_len/Bk]`` int64 pair counts.
 
@@ -122,7 +122,7 @@ def _ordered_table(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def interval_block_tables(starts: torch.Tensor, ends: torch.Tensor, block_size: tuple[int, int], kv_len: int):
     """``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)`` of queries that
     attend the disjoint key intervals ``[starts, ends)``, each ``[B, H, Sq, K]``."""
-    pairs = attended_pairs(starts, ends, block_size, kv_len)
+    pairs = block_pair_counts(starts, ends, block_size, kv_len)
     return tables_from_pairs(pairs, block_size, starts.shape[2], kv_len)
 
 
@@ -143,7 +143,7 @@ def tables_from_pairs(pairs: torch.Tensor, block_size: tuple[int, int], q_len: i
 
 
 def tile_attended_pairs(selection: Selection, block_size: tuple[int, int]) -> torch.Tensor:
-    """:func:`attended_pairs` of a tile-granularity selection without documents, counted per
+    """:func:`block_pair_counts` of a tile-granularity selection without documents, counted per
     tile: every query of a tile attends the same past chunks, and own chunks do not depend
     on the head."""
     layout = selection.layout
@@ -154,10 +154,10 @@ def tile_attended_pairs(selection: Selection, block_size: tuple[int, int]) -> to
     valid = selection.past_valid[:, :, ::piece]
     past_start = torch.where(valid, selection.past_chunks[:, :, ::piece] * layout.chunk_size, 0)
     past_end = torch.where(valid, past_start + layout.chunk_size, 0)
-    past = attended_pairs(past_start, past_end, block_size, S, rows)
+    past = block_pair_counts(past_start, past_end, block_size, S, rows)
     own_start = layout.chunk_start[:, None, :, None]  # [B, 1, S, 1]: the same for every head
     own_end = torch.arange(1, S + 1, device=own_start.device)[:, None].expand_as(own_start)
-    return past + attended_pairs(own_start, own_end, block_size, S)
+    return past + block_pair_counts(own_start, own_end, block_size, S)
 
 
 def block_tables(selection: Selection, block_size: tuple[int, int]):
@@ -195,14 +195,12 @@ def selection_block_mask(
     )
 
 
+@takes_settings
 def moba_block_mask(
     q: torch.Tensor,
     k: torch.Tensor,
-    spec: MobaSpec | None = None,
+    spec: MobaSpec,
     *,
-    chunk_size: int | None = None,
-    top_k: int | None = None,
-    granularity: Granularity | None = None,
     document_ids: torch.Tensor | None = None,
     block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
 ) -> BlockMask:
@@ -217,6 +215,5 @@ def moba_block_mask(
     The mask's ``mask_mod`` encodes the whole selection; its tables mark a block "full"
     only when every query of the tile attends every key of the block.
     """
-    selection = select_chunks(q, k, spec, chunk_size=chunk_size, top_k=top_k, granularity=granularity,
-                              document_ids=document_ids)
+    selection = select_chunks(q, k, spec, document_ids=document_ids)
     return selection_block_mask(selection, block_size)

@@ -7,16 +7,10 @@ reduce-scatters their gradients); queries stay local and keep their global posit
 chunks, document starts and the causal rule are the global ones.
 
 The core needs no process group. Local queries at ``query_start`` are gated against the
-chunk means of all keys, and attend keys ``[0, query_start + S_local)`` (later keys are in
-the future of every local query):
-
-- ``gather``: past chunks are whole and read from the gathered keys; the own chunk runs on the
-  local keys, causal; an own chunk that starts on an earlier rank (a document or a chunk
-  crossing the rank boundary) adds its earlier part as one more non-causal part, and the
-  parts merge by log-sum-exp (:mod:`flexmoba.gather`).
-- ``flex``: the regrouped plan with every virtual row's key interval in global positions
-  (:func:`flexmoba.flex_plan.plan_from_selection` with ``query_start``).
-- ``sdpa``: the mask ``[B, H, S_local, query_start + S_local]``, made dense.
+chunk means of all keys (:func:`flexmoba.gate.select_local_chunks`), and attend keys
+``[0, query_start + S_local)`` (later keys are in the future of every local query) through the
+backend protocol's ``query_start`` (:mod:`flexmoba.backends`): every backend that takes it, a
+registered one included, runs here; one that declared it cannot is refused by name.
 
 Full attention: local queries over keys ``[0, query_start)`` (no mask) and the local keys
 (causal), merged by log-sum-exp; with documents or off CPU through a mask.
@@ -27,7 +21,6 @@ balanced except for the first ``top_k - 1`` chunks (see :func:`attended_pairs_pe
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -36,37 +29,24 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
 from flexmoba import validation
-from flexmoba.backends import drops_non_finite_keys, needs_grad
-from flexmoba.compiled_flex import active_flex_attention, custom_flex_attention, flex_trains_on, needs_sink
-from flexmoba.decode_kernels import masked_attention
-from flexmoba.flex_plan import plan_from_selection
-from flexmoba.gate import Selection, chunk_means, gate_rows, select_past_chunks
-from flexmoba.gather import (
-    PastPairs,
-    Segment,
-    dense_attention,
-    dense_attention_backward,
-    own_chunks,
-    past_pairs,
-    plan_pairs,
-)
-from flexmoba.layout import ChunkLayout, chunk_layout, document_starts
-from flexmoba.spec import MobaSpec
+from flexmoba.backends import get_context_parallel_backend, resolve_context_parallel_backend
+from flexmoba.compiled_flex import active_flex_attention, custom_flex_attention
+from flexmoba.gate import Selection, select_local_chunks
+from flexmoba.gather import dense_attention, dense_attention_backward
+from flexmoba.layout import document_starts
+from flexmoba.spec import MobaSpec, takes_settings
 
 __all__ = [
     "ContextParallel",
     "attended_pairs_per_rank",
     "context_parallel_attention",
+    "context_parallel_full_attention",
     "gather_sequence",
     "local_causal_attention",
     "local_moba_attention",
-    "local_moba_selection",
     "sequence_slice",
     "shard_sequence",
 ]
-
-LOCAL_BACKENDS = ("gather", "flex", "sdpa")
-
 
 # -- the group and its slices -----------------------------------------------------------
 
@@ -146,151 +126,12 @@ def gather_sequence(x: torch.Tensor, cp: ContextParallel, dim: int = 2) -> torch
 # -- MoBA for local queries ------------------------------------------------------------
 
 
-def _check_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, query_start: int) -> None:
-    """``q: [B, H, S, D]`` at ``[query_start, query_start + S)`` of ``k, v: [B, H_kv, T, D]``."""
-    validation.check_tensor(q, "q", 4)
-    validation.check_tensor(k, "k", 4)
-    if isinstance(query_start, bool) or not isinstance(query_start, int) or query_start < 0:
-        raise ValueError(f"query_start must be an int >= 0, got {query_start!r}")
-    T = k.shape[2]
-    if query_start + q.shape[2] > T:
-        raise ValueError(f"queries [{query_start}, {query_start + q.shape[2]}) reach past the {T} keys of k")
-    validation.check_qk(q, k[:, :, query_start:query_start + q.shape[2]])
-    if v is not None:
-        validation.check_qkv(q, k[:, :, query_start:query_start + q.shape[2]],
-                             v[:, :, query_start:query_start + q.shape[2]])
-        if v.shape[2] != T:
-            raise ValueError(f"v must have the {T} positions of k, got {tuple(v.shape)}")
-
-
-def layout_rows(layout: ChunkLayout, start: int, length: int) -> ChunkLayout:
-    """The layout of positions ``[start, start + length)`` of ``layout``'s rows (chunk indices unchanged)."""
-    cut = lambda x: x[:, start:start + length].contiguous()  # noqa: E731
-    return dataclasses.replace(layout, doc_start=cut(layout.doc_start), local_chunk=cut(layout.local_chunk),
-                               global_chunk=cut(layout.global_chunk))
-
-
-def local_moba_selection(q: torch.Tensor, k: torch.Tensor, spec: MobaSpec, query_start: int,
-                         document_ids: torch.Tensor | None = None) -> Selection:
-    """MoBA's gate for queries ``q: [B, H, S, D]`` at positions ``[query_start, query_start + S)``
-    of keys ``k: [B, H_kv, T, D]`` (all positions ``[0, T)``; ``document_ids: [B, T]``).
-
-    The selection's layout holds the queries' rows (global positions, global chunk indices);
-    its chunk indices equal those of :func:`flexmoba.select_chunks` over the whole sequence.
-    """
-    _check_local(q, k, None, query_start)
-    if spec.granularity != "token":
-        raise ValueError(f"MobaSpec.granularity must be 'token' under context parallelism, got "
-                         f"{spec.granularity!r} (a tile may straddle ranks)")
-    B, H, S, _ = q.shape
-    T = k.shape[2]
-    if document_ids is not None:
-        validation.check_document_ids(document_ids, k)
-    key_layout = chunk_layout(B, T, spec.chunk_size, q.device, document_ids)
-    layout = layout_rows(key_layout, query_start, S)
-    with torch.no_grad():
-        rows, _, _ = gate_rows(q.detach(), layout, "token")
-        means = chunk_means(k.detach(), key_layout)
-        past_chunks, past_valid = select_past_chunks(rows, means, layout.global_chunk, spec.top_k, layout.n_chunks,
-                                                     first=layout.first_global_chunk)
-    return Selection(past_chunks, past_valid, layout)
-
-
-def own_chunk_prefixes(selection: Selection, heads: int, kv_heads: int, query_start: int) -> PastPairs:
-    """The part before ``query_start`` of the local queries' own chunks, as non-causal pairs.
-
-    Only the first run of local queries can have it: those whose chunk started on an earlier
-    rank. One segment per (batch row, KV head) that has one.
-    """
-    layout = selection.layout
-    B, S = layout.global_chunk.shape
-    group = heads // kv_heads
-    run = (layout.global_chunk == layout.global_chunk[:, :1]).sum(1)  # [B] the first chunk's queries
-    starts = layout.chunk_start[:, 0]
-    queries, segments, offset = [], [], 0
-    for b, (start, count) in enumerate(zip(starts.tolist(), run.tolist(), strict=True)):
-        if start >= query_start:
-            continue
-        for g in range(kv_heads):
-            rows = (b * heads + g * group + torch.arange(group, device=layout.global_chunk.device))[:, None]
-            queries.append((rows * S + torch.arange(count, device=rows.device)).flatten())
-            segments.append(Segment(offset, group * count, b * kv_heads + g, start, query_start - start))
-            offset += group * count
-    empty = torch.zeros(0, dtype=torch.long, device=layout.global_chunk.device)
-    query = torch.cat(queries) if queries else empty
-    return PastPairs(query, segments)
-
-
-def join_pairs(first: PastPairs, second: PastPairs) -> PastPairs:
-    """Both pair lists in one, ``second``'s segments after ``first``'s."""
-    shift = len(first.query)
-    moved = [seg._replace(offset=seg.offset + shift) for seg in second.segments]
-    return PastPairs(torch.cat([first.query, second.query]), first.segments + moved)
-
-
-def local_gather(q, k, v, selection: Selection, scale: float, query_start: int) -> torch.Tensor:
-    """The gather backend for local queries: ``q: [B, H, S, D]``, ``k, v: [B, H_kv, query_start + S, D]``."""
-    layout = selection.layout
-    H, H_kv = q.shape[1], k.shape[1]
-    with torch.no_grad():
-        pairs = past_pairs(selection, H_kv)
-        pairs = join_pairs(pairs, own_chunk_prefixes(selection, H, H_kv, query_start))
-        on_grid = not layout.has_documents and query_start % layout.chunk_size == 0
-        own = None if on_grid else own_chunks(selection, H, H_kv)
-        plan = plan_pairs(pairs, own, layout.chunk_size, tuple(q.shape[:3]), tuple(k.shape), v.shape[-1],
-                          key_offset=query_start)
-    return plan.attention(q, k, v, scale=scale)
-
-
-def local_dense_mask(selection: Selection, query_start: int, key_len: int) -> torch.Tensor:
-    """``[B, H, S, key_len]`` bool: key s is attended by local query t iff it lies in t's
-    document up to t and in a chunk t selected."""
-    layout = selection.layout
-    B, H, S, n_chunks = selection.chunks.shape
-    t = query_start + torch.arange(S, device=layout.doc_start.device)
-    s = torch.arange(key_len, device=t.device)
-    offset = s[None, None, :] - layout.doc_start[:, :, None]  # [B, S, T] from the query's document start
-    visible = (offset >= 0) & (s[None, None, :] <= t[None, :, None])
-    chunk = (offset.clamp(min=0) // layout.chunk_size).clamp(max=n_chunks - 1)
-    selected = selection.chunks.gather(-1, chunk[:, None].expand(B, H, S, key_len))
-    return selected & visible[:, None]
-
-
-def local_sdpa(q, k, v, selection: Selection, scale: float, query_start: int) -> torch.Tensor:
-    return masked_attention(q, k, v, local_dense_mask(selection, query_start, k.shape[2]), scale)
-
-
-def local_flex(q, k, v, selection: Selection, scale: float, query_start: int) -> torch.Tensor:
-    if not flex_trains_on(q.device) and needs_grad(q, k, v):
-        raise ValueError("backend='flex' cannot compute gradients on CPU (FlexAttention has no CPU backward); "
-                         "use backend='gather' or 'auto', or call under torch.no_grad()")
-    if drops_non_finite_keys(q, k):
-        return local_gather(q, k, v, selection, scale, query_start)
-    plan = plan_from_selection(selection, k.shape[1], sink=needs_sink(q.device),
-                               compute_q_blocks=needs_grad(q, k, v), query_start=query_start)
-    return plan.attention(q, k, v, scale=scale)
-
-
-_LOCAL = {"gather": local_gather, "flex": local_flex, "sdpa": local_sdpa}
-
-
-def local_backend(spec: MobaSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
-    """The backend for local queries: ``auto`` is ``flex`` off CPU, ``gather`` on CPU (exact at any
-    length; the dense mask would be ``[S / n, S]``); only the built-in ``gather``, ``flex`` and
-    ``sdpa`` know query offsets."""
-    if spec.backend == "auto":
-        return "gather" if q.device.type == "cpu" else "flex"
-    name = spec.backend
-    if name not in LOCAL_BACKENDS:
-        raise ValueError(f"MobaSpec.backend={spec.backend!r} has no context-parallel path; use one of "
-                         f"{('auto', *LOCAL_BACKENDS)}")
-    return name
-
-
 def local_moba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MobaSpec, query_start: int, *,
                          document_ids: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """MoBA of queries ``q: [B, H, S, D]`` at positions ``[query_start, query_start + S)`` over
-    ``k, v: [B, H_kv, T, D]``, all positions of the sequence (``document_ids: [B, T]``).
+    ``k, v: [B, H_kv, T, D]``, all positions of the sequence (``document_ids: [B, T]``), by any
+    backend that takes queries at an offset (:mod:`flexmoba.backends`; ``auto``: ``flex`` off CPU,
+    ``gather`` on CPU, exact at any length where the dense mask would be ``[S / n, S]``).
 
     Equals rows ``[query_start, query_start + S)`` of :func:`flexmoba.moba_attention` over the
     whole sequence, and so do the gradients (summed over the slices, for k and v).
@@ -298,12 +139,12 @@ def local_moba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec
     Returns:
         ``[B, H, S, Dv]`` in q's dtype.
     """
-    _check_local(q, k, v, query_start)
+    validation.check_local_queries(q, k, v, query_start)
     scale = validation.softmax_scale(scale, q)
-    selection = local_moba_selection(q, k, spec, query_start, document_ids)
+    attend = get_context_parallel_backend(resolve_context_parallel_backend(spec.backend, q))
+    selection = select_local_chunks(q, k, spec, query_start, document_ids)
     end = query_start + q.shape[2]
-    k_seen, v_seen = k[:, :, :end], v[:, :, :end]
-    return _LOCAL[local_backend(spec, q, k_seen, v_seen)](q, k_seen, v_seen, selection, scale, query_start)
+    return attend(q, k[:, :, :end], v[:, :, :end], selection, scale, query_start=query_start)
 
 
 # -- full attention for local queries ---------------------------------------------------
@@ -392,7 +233,7 @@ def local_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qu
     On CPU without documents, two fused calls (O(S) memory); otherwise a dense
     ``[S, query_start + S]`` mask, through flex off CPU.
     """
-    _check_local(q, k, v, query_start)
+    validation.check_local_queries(q, k, v, query_start)
     scale = validation.softmax_scale(scale, q)
     end = query_start + q.shape[2]
     k_full, k, v = k, k[:, :, :end], v[:, :, :end]
@@ -414,27 +255,34 @@ def local_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qu
 # -- over a process group ---------------------------------------------------------------
 
 
+@takes_settings
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel,
-                               spec: MobaSpec | None = None, *, document_ids: torch.Tensor | None = None,
+                               spec: MobaSpec, *, document_ids: torch.Tensor | None = None,
                                scale: float | None = None) -> torch.Tensor:
-    """Attention of this rank's slice: ``q: [B, H, S / n, D]``, ``k, v: [B, H_kv, S / n, D]``
-    -> ``[B, H, S / n, Dv]``; MoBA with ``spec``, full causal attention without.
+    """MoBA of this rank's slice: ``q: [B, H, S / n, D]``, ``k, v: [B, H_kv, S / n, D]``
+    -> ``[B, H, S / n, Dv]`` (MoBA's settings as ``spec`` or keywords, as in :func:`flexmoba.moba_attention`).
 
     ``document_ids``: ``[B, S]``, the whole sequence's (every rank passes the same).
     Keys and values are all-gathered over ``cp``'s group; their gradients reduce-scattered back.
     """
-    S = q.shape[2] * cp.size
-    query_start, _ = cp.local_range(S)
+    query_start, _ = cp.local_range(q.shape[2] * cp.size)
     k_all, v_all = gather_sequence(k, cp), gather_sequence(v, cp)
-    if spec is None:
-        return local_causal_attention(q, k_all, v_all, query_start, document_ids=document_ids, scale=scale)
     return local_moba_attention(q, k_all, v_all, spec, query_start, document_ids=document_ids, scale=scale)
+
+
+def context_parallel_full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, *,
+                                    document_ids: torch.Tensor | None = None,
+                                    scale: float | None = None) -> torch.Tensor:
+    """Full causal attention of this rank's slice (shapes and gathering as :func:`context_parallel_attention`)."""
+    query_start, _ = cp.local_range(q.shape[2] * cp.size)
+    k_all, v_all = gather_sequence(k, cp), gather_sequence(v, cp)
+    return local_causal_attention(q, k_all, v_all, query_start, document_ids=document_ids, scale=scale)
 
 
 # -- load balance ------------------------------------------------------------------------
 
 
-def attended_pairs(selection: Selection, query_start: int = 0) -> int:
+def selection_pairs(selection: Selection, query_start: int = 0) -> int:
     """(Query, key) pairs a selection attends: its own chunk up to the query, ``chunk_size``
     keys per selected past chunk, summed over batch, heads and queries."""
     layout = selection.layout
@@ -446,12 +294,12 @@ def attended_pairs(selection: Selection, query_start: int = 0) -> int:
 
 def attended_pairs_per_rank(q: torch.Tensor, k: torch.Tensor, spec: MobaSpec, size: int,
                             document_ids: torch.Tensor | None = None) -> list[int]:
-    """Work of each of ``size`` ranks (attended pairs, :func:`attended_pairs`) for MoBA of
+    """Work of each of ``size`` ranks (attended pairs, :func:`selection_pairs`) for MoBA of
     ``q: [B, H, S, D]`` over ``k``, each rank gating its contiguous slice of the queries."""
     S = q.shape[2]
     work = []
     for rank in range(size):
         start, stop = sequence_slice(S, rank, size)
-        selection = local_moba_selection(q[:, :, start:stop], k, spec, start, document_ids)
-        work.append(attended_pairs(selection, start))
+        selection = select_local_chunks(q[:, :, start:stop], k, spec, start, document_ids)
+        work.append(selection_pairs(selection, start))
     return work

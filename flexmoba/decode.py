@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from flexmoba import gate, validation
+from flexmoba import validation
 from flexmoba.backends import get_decode_backend, resolve_decode_backend
 from flexmoba.decode_kernels import DecodeStep, dense_causal_attention, query_places
+from flexmoba.gate import select_against_means
 from flexmoba.kv_cache import ChunkKeySums, MoBAKVCache
 
 __all__ = ["attend_cached_keys", "decode_spec", "dense_decode_attention", "gate_step", "moba_decode_attention"]
@@ -113,7 +114,7 @@ def attend_cached_keys(
     if spec.granularity != "token":
         raise ValueError(f"granularity={spec.granularity!r} has no decode path; decode with dense_decode=True "
                          "or re-run the whole sequence")
-    name = resolve_decode_backend(spec.backend, q.shape[2], sums.chunks_spanned(T), spec.top_k)
+    name = resolve_decode_backend(spec.backend, q.shape[2], sums.chunks_spanned(T), spec.top_k, q.device)
     if name is None:
         return dense_causal_attention(q, keys, values, start, scale)
     decode = get_decode_backend(name)
@@ -125,11 +126,11 @@ def gate_step(q, keys, values, sums: ChunkKeySums, top_k: int, scale: float) -> 
     """Run MoBA's gate for the new queries against the chunk means (``sums`` holds all ``T`` keys)."""
     S_new, T = q.shape[2], keys.shape[2]
     own_chunk = (T - 1) // sums.chunk_size
-    if not sums.padded and (T - S_new) // sums.chunk_size == own_chunk:  # every query in one chunk
-        with torch.no_grad():
-            past, valid = gate.select_before_chunk(q.detach().float(), sums.means(), own_chunk, top_k)
+    in_one_chunk = not sums.padded and (T - S_new) // sums.chunk_size == own_chunk
+    if in_one_chunk:
+        past, valid = select_against_means(q, sums.means(), None, top_k, own_chunk=own_chunk)
     else:
-        past, valid = gate.select_against_means(q, sums.means(), query_places(S_new, T, sums)[2], top_k)
+        past, valid = select_against_means(q, sums.means(), query_places(S_new, T, sums)[2], top_k)
     return DecodeStep(q=q, keys=keys, values=values, sums=sums, scale=scale, past=past, valid=valid)
 
 

@@ -16,19 +16,18 @@ import torch
 from flexmoba import validation
 from flexmoba.gate import Selection, select_chunks
 from flexmoba.masks import dense_moba_mask
-from flexmoba.spec import MobaSpec
+from flexmoba.spec import MobaSpec, takes_settings
 
-__all__ = ["distance_histogram", "gate_recall", "selection_distances", "selects_position"]
+__all__ = ["distance_histogram", "gate_recall", "selection_distances", "selection_recall", "selects_position"]
 
 
 @torch.no_grad()
+@takes_settings
 def gate_recall(
     q: torch.Tensor,
     k: torch.Tensor,
-    spec: MobaSpec | None = None,
+    spec: MobaSpec,
     *,
-    chunk_size: int | None = None,
-    top_k: int | None = None,
     scale: float | None = None,
     query_block: int = 1024,
 ) -> torch.Tensor:
@@ -38,7 +37,13 @@ def gate_recall(
     ``query_block`` queries, so memory stays ``O(query_block · S)``. MoBA's settings as ``spec``
     or keywords (see :func:`flexmoba.select_chunks`).
     """
-    selection = select_chunks(q, k, spec, chunk_size=chunk_size, top_k=top_k)
+    return selection_recall(q, k, select_chunks(q, k, spec), scale=scale, query_block=query_block)
+
+
+@torch.no_grad()
+def selection_recall(q: torch.Tensor, k: torch.Tensor, selection: Selection, *, scale: float | None = None,
+                     query_block: int = 1024) -> torch.Tensor:
+    """:func:`gate_recall` of a selection already made (``q: [B, H, S, D]``, ``k: [B, H_kv, S, D]``)."""
     mask = dense_moba_mask(selection)  # [B, H, S, S]
     B, H, S, D = q.shape
     k = k.float().repeat_interleave(H // k.shape[1], dim=1)

@@ -52,10 +52,10 @@ from flexmoba import validation
 from flexmoba.block_mask import DEFAULT_BLOCK_SIZE, listed_first
 from flexmoba.compiled_flex import active_flex_attention, needs_sink
 from flexmoba.gate import Selection, select_chunks
-from flexmoba.gather import exclusive_cumsum, sort_key_dtype
+from flexmoba.index_math import exclusive_cumsum, sort_key_dtype
 from flexmoba.masks import check_flex_index
 from flexmoba.pair_counts import past_chunk_slots
-from flexmoba.spec import Granularity, MobaSpec
+from flexmoba.spec import MobaSpec, takes_settings
 
 __all__ = ["MoBAFlexPlan", "moba_flex_plan", "plan_from_selection"]
 
@@ -333,7 +333,7 @@ def plan_from_selection(selection: Selection, kv_heads: int, *, block_size: int 
     G = H // kv_heads
     T = query_start + S
     # Past slots only exist where some query may have a past chunk.
-    own_len, past_len = virtual_lengths(G, S, selection.layout.chunk_size, P + 1, Bq, query_start)
+    own_len, past_len = virtual_lengths(G, S, selection.layout.chunk_size, selection.spec.top_k, Bq, query_start)
     with torch.no_grad():
         kv_len, sink_at = T + int(sink), T if sink else None
         own_start, own_end, own_source, own_row = _own_rows(selection, kv_heads, own_len, query_start)
@@ -416,14 +416,12 @@ def _direct_lse(plan: MoBAFlexPlan, virtual_q, k, scale, rows: torch.Tensor) -> 
     return torch.logsumexp(logits.masked_fill(~inside, float("-inf")), dim=-1)
 
 
+@takes_settings
 def moba_flex_plan(
     q: torch.Tensor,
     k: torch.Tensor,
-    spec: MobaSpec | None = None,
+    spec: MobaSpec,
     *,
-    chunk_size: int | None = None,
-    top_k: int | None = None,
-    granularity: Granularity | None = None,
     document_ids: torch.Tensor | None = None,
     block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
     sink: bool | None = None,
@@ -440,8 +438,7 @@ def moba_flex_plan(
     Returns:
         A :class:`MoBAFlexPlan`; ``plan.attention(q, k, v)`` runs it.
     """
-    selection = select_chunks(q, k, spec, chunk_size=chunk_size, top_k=top_k, granularity=granularity,
-                              document_ids=document_ids)
+    selection = select_chunks(q, k, spec, document_ids=document_ids)
     sink = needs_sink(q.device) if sink is None else bool(sink)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
     return plan_from_selection(selection, k.shape[1], block_size=block_size, sink=sink, compute_q_blocks=grad)

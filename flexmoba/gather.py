@@ -37,22 +37,10 @@ import torch.nn.functional as F
 
 from flexmoba import validation
 from flexmoba.gate import Selection
-from flexmoba.layout import floor_divide
+from flexmoba.index_math import exclusive_cumsum, floor_divide, sort_key_dtype
+from flexmoba.tuning import tuning_for
 
 __all__ = ["GatherPlan", "gather_moba_attention", "gather_plan"]
-
-
-def selected_pairs(selection: Selection) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global chunk of every (query, slot) pair and whether it is used: ``[B, H, S, P + 1]`` each.
-
-    The last slot is the own chunk.
-    """
-    layout = selection.layout
-    first = layout.first_global_chunk[:, None, :, None]  # [B, 1, S, 1]
-    past = first + selection.past_chunks
-    own = layout.global_chunk[:, None, :, None].expand(*selection.past_chunks.shape[:3], 1)
-    valid = torch.cat([selection.past_valid, torch.ones_like(own, dtype=torch.bool)], -1)
-    return torch.cat([past, own], -1), valid
 
 
 class Segment(NamedTuple):
@@ -78,19 +66,6 @@ class PastPairs:
 
     query: torch.Tensor
     segments: list[Segment]
-
-
-def exclusive_cumsum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Each element's sum of the elements before it along ``dim`` (a run's first index from run lengths)."""
-    return torch.cumsum(x, dim) - x
-
-
-def sort_key_dtype(max_value: int) -> torch.dtype:
-    """The smallest integer type holding ``0 .. max_value``, for sort keys (a stable sort of uint8 keys
-    takes 0.6x the time of int16 ones on CPU)."""
-    if max_value < 2**8:
-        return torch.uint8
-    return torch.int16 if max_value < 2**15 else torch.int32 if max_value < 2**31 else torch.long
 
 
 def past_pairs(selection: Selection, kv_heads: int) -> PastPairs:
@@ -184,7 +159,8 @@ def own_chunks(selection: Selection, heads: int, kv_heads: int) -> OwnChunks:
 
 
 def _fused_cpu(q: torch.Tensor) -> bool:
-    return q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+    on_cpu = q.device.type == "cpu" and tuning_for(q.device).gather_fused_kernel
+    return on_cpu and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
 
 
 def _causal_mask(n: int, m: int, device) -> torch.Tensor:
@@ -255,13 +231,6 @@ def dense_attention_backward(grad_out, q, k, v, out, lse, causal: bool, scale: f
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-# Rows of the smallest block of past pairs (:data:`BLOCK_UNITS`). The fused CPU backward
-# parallelises over the batch only: on long sequences, a chunk's queries run backward as a batch
-# of blocks of twice this many rows against one (broadcast) copy of its keys (the forward
-# parallelises over query blocks itself and takes them in one call).
-QUERY_BLOCK = 64
-
-
 def _row_blocks(n: int, block: int) -> list[tuple[int, int, int]]:
     """``(first row, batch, rows per item)``: n rows as a batch of whole blocks plus the rest."""
     whole = n // block * block
@@ -269,9 +238,11 @@ def _row_blocks(n: int, block: int) -> list[tuple[int, int, int]]:
     return parts + ([(whole, 1, n - whole)] if n > whole else [])
 
 
-def past_chunk_attention_backward(grad_out, q, k, v, out, lse, scale: float, block: int = 2 * QUERY_BLOCK):
+def past_chunk_attention_backward(grad_out, q, k, v, out, lse, scale: float, block: int):
     """Gradients ``(dq [n, D], dk [c, D], dv [c, Dv])`` of ``q: [n, D]``'s attention over the
-    whole chunk ``k, v: [c, D]``, given the merged ``out`` and ``lse`` of its queries."""
+    whole chunk ``k, v: [c, D]``, given the merged ``out`` and ``lse`` of its queries. The fused CPU
+    backward parallelises over the batch only, so the queries run as a batch of ``block``-row blocks
+    against one (broadcast) copy of the keys."""
     dqs, dk, dv = [], 0, 0
     for first, batch, rows in _row_blocks(q.shape[0], block):
         grad_b, q_b, out_b, lse_b = (x[first:first + batch * rows].view(batch, 1, rows, *x.shape[1:])
@@ -307,11 +278,6 @@ def _embed_keys(d_own: torch.Tensor, like: torch.Tensor, key_offset: int) -> tor
     full = torch.zeros_like(like)
     full.narrow(2, key_offset, d_own.shape[2]).copy_(d_own)
     return full
-
-
-# Past pairs run as one batch of query blocks, each with a copy of its chunk's keys and values,
-# when those copies take at most this many bytes; above it, one call per chunk reads its keys in place.
-BATCHED_PAIRS_MAX_BYTES = 64 * 2**20
 
 
 # A segment's pairs fill blocks of this many units (each unit ``query_block`` rows), largest first:
@@ -401,12 +367,13 @@ def _block_table(segments: list[Segment], unit: int, key_len: int) -> tuple[tupl
 def pair_blocks(pairs: PastPairs, key_len: int, chunk: int, unit: int, width: int) -> PairBlocks | None:
     """:class:`PairBlocks` of the pairs (blocks of ``unit * BLOCK_UNITS`` rows), or None where a segment
     is not a whole chunk or the copies of keys and values (``width`` = D + Dv fp32 columns per key)
-    would exceed :data:`BATCHED_PAIRS_MAX_BYTES`."""
+    would exceed the profile's ``gather_batched_pairs_max_bytes`` (:mod:`flexmoba.tuning`); then one call
+    per chunk reads its keys in place."""
     segments = pairs.segments
     if not segments or any(seg.length != chunk for seg in segments):
         return None
     sizes, table = _block_table(segments, unit, key_len)
-    if sum(n for _, n in sizes) * chunk * width * 4 > BATCHED_PAIRS_MAX_BYTES:
+    if sum(n for _, n in sizes) * chunk * width * 4 > tuning_for(pairs.query.device).gather_batched_pairs_max_bytes:
         return None
     device = pairs.query.device
     n_units = sum(R * n for R, n in sizes) // unit
@@ -432,7 +399,8 @@ class GatherPlan:
         chunk: tokens per chunk.
         query_shape: ``(B, H, S)`` of the queries the plan is for.
         key_len: T, the keys' length.
-        query_block: rows of the smallest block of pairs (backward: twice that per block).
+        query_block: rows of the smallest block of pairs (backward: twice that per block; the
+            profile's ``gather_query_block``).
         key_offset: where the queries' own chunks start in the keys (0 unless queries sit at
             the end of longer keys, as in :mod:`flexmoba.context_parallel`).
     """
@@ -443,7 +411,7 @@ class GatherPlan:
     chunk: int
     query_shape: tuple[int, int, int]
     key_len: int
-    query_block: int = QUERY_BLOCK
+    query_block: int
     key_offset: int = 0
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -457,14 +425,16 @@ class GatherPlan:
 
 
 def plan_pairs(pairs: PastPairs, own: OwnChunks | None, chunk: int, query_shape: tuple[int, int, int],
-               kv_shape: tuple[int, ...], value_dim: int, query_block: int = QUERY_BLOCK,
+               kv_shape: tuple[int, ...], value_dim: int, query_block: int | None = None,
                key_offset: int = 0) -> GatherPlan:
-    """The :class:`GatherPlan` of pairs already sorted (``kv_shape``: k's ``[B, H_kv, T, D]``)."""
+    """The :class:`GatherPlan` of pairs already sorted (``kv_shape``: k's ``[B, H_kv, T, D]``;
+    ``query_block`` None: the profile's)."""
+    query_block = query_block or tuning_for(pairs.query.device).gather_query_block
     blocks = pair_blocks(pairs, kv_shape[2], chunk, query_block, kv_shape[3] + value_dim)
     return GatherPlan(pairs, blocks, own, chunk, tuple(query_shape), kv_shape[2], query_block, key_offset)
 
 
-def gather_plan(selection: Selection, k: torch.Tensor, v: torch.Tensor, query_block: int = QUERY_BLOCK) -> GatherPlan:
+def gather_plan(selection: Selection, k: torch.Tensor, v: torch.Tensor, query_block: int | None = None) -> GatherPlan:
     """The :class:`GatherPlan` of a selection for keys and values shaped as ``k, v: [B, H_kv, S, D]``
     (only their shapes are read)."""
     B, H, S, _ = selection.past_chunks.shape
@@ -575,14 +545,12 @@ def _keys(k_rows, v_rows, seg: Segment):
     return k_rows[seg.kv_row, keys][None, None], v_rows[seg.kv_row, keys][None, None]
 
 
-# Own chunks of at least this many keys attend as two causal halves plus the second half's queries
-# over the first half's keys: the CPU kernel reads every key of a causal call's key block (up to 512
-# wide), so one causal call per chunk pays for its upper triangle too (measured: 16% less time).
-SPLIT_OWN_MIN = 256
-
-
-def _split_own(chunk: int) -> bool:
-    return chunk >= SPLIT_OWN_MIN and chunk % 2 == 0
+def _split_own(q: torch.Tensor) -> bool:
+    """Whether own chunks ``[M, 1, c, D]`` attend as two causal halves plus the second half's queries
+    over the first half's keys: the CPU kernel reads every key of a causal call's key block (up to
+    512 wide), so one causal call per chunk pays for its upper triangle too (measured: 16% less time)."""
+    chunk = q.shape[2]
+    return chunk >= tuning_for(q.device).gather_split_own_min and chunk % 2 == 0
 
 
 def _halves(x: torch.Tensor) -> torch.Tensor:
@@ -594,7 +562,7 @@ def _causal_chunks(q, k, v, scale: float):
     """Causal attention inside each chunk of chunk views ``[M, 1, c, *]`` -> (out ``[M, 1, c, Dv]`` in
     q's dtype or fp32, lse ``[M, 1, c]`` fp32)."""
     chunk = q.shape[2]
-    if not _split_own(chunk):
+    if not _split_own(q):
         return dense_attention(q, k, v, True, scale)
     half = chunk // 2
     out, lse = dense_attention(_halves(q), _halves(k), _halves(v), True, scale)
@@ -611,7 +579,7 @@ def _causal_chunks(q, k, v, scale: float):
 
 def _causal_chunks_backward(grad_out, q, k, v, out, lse, scale: float):
     """Gradients of :func:`_causal_chunks` (chunk views ``[M, 1, c, *]``, lse ``[M, 1, c]``)."""
-    if not _split_own(q.shape[2]):
+    if not _split_own(q):
         return dense_attention_backward(grad_out, q, k, v, out, lse, True, scale)
     half = q.shape[2] // 2
     dq, dk, dv = dense_attention_backward(*map(_halves, (grad_out, q, k, v, out)), _halves(lse[..., None])[..., 0],
@@ -702,11 +670,11 @@ def gather_moba_attention(
     v: torch.Tensor,
     selection: Selection,
     scale: float | None = None,
-    query_block: int = QUERY_BLOCK,
+    query_block: int | None = None,
 ) -> torch.Tensor:
     """MoBA attention of ``q: [B, H, S, D]`` over ``k, v: [B, H_kv, S, D]`` -> ``[B, H, S, Dv]``.
 
-    ``query_block``: rows of the smallest block of past pairs (:data:`BLOCK_UNITS`); on long sequences a past
-    chunk's queries run backward as a batch of blocks of twice this many rows.
+    ``query_block``: rows of the smallest block of past pairs (:data:`BLOCK_UNITS`; None: the profile's); on
+    long sequences a past chunk's queries run backward as a batch of blocks of twice this many rows.
     """
     return gather_plan(selection, k, v, query_block).attention(q, k, v, scale=scale)

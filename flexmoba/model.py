@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flexmoba.attention import moba_attention
-from flexmoba.context_parallel import ContextParallel, context_parallel_attention
+from flexmoba.context_parallel import ContextParallel, context_parallel_attention, context_parallel_full_attention
 from flexmoba.decode import dense_decode_attention, moba_decode_attention
 from flexmoba.kv_cache import MoBAKVCache
 from flexmoba.layout import ChunkLayout, chunk_layout
@@ -221,9 +221,10 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x, cos, sin)
         if cache is not None:
             y = self._attend_cached(q, k, v, cache)
+        elif self.context_parallel is not None and self.active_kind == "moba":
+            y = context_parallel_attention(q, k, v, self.context_parallel, cfg.moba)
         elif self.context_parallel is not None:
-            spec = cfg.moba if self.active_kind == "moba" else None
-            y = context_parallel_attention(q, k, v, self.context_parallel, spec)
+            y = context_parallel_full_attention(q, k, v, self.context_parallel)
         elif self.active_kind == "moba":
             y = moba_attention(q, k, v, cfg.moba, layout=layout)
         else:

@@ -7,20 +7,18 @@ import torch
 from flexmoba import validation
 from flexmoba.gate import select_chunks
 from flexmoba.masks import dense_moba_mask
-from flexmoba.spec import Granularity, MobaSpec
+from flexmoba.spec import MobaSpec, takes_settings
 
 __all__ = ["moba_reference"]
 
 
+@takes_settings
 def moba_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    spec: MobaSpec | None = None,
+    spec: MobaSpec,
     *,
-    chunk_size: int | None = None,
-    top_k: int | None = None,
-    granularity: Granularity | None = None,
     scale: float | None = None,
     document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -31,8 +29,7 @@ def moba_reference(
     """
     validation.check_qkv(q, k, v)
     scale = validation.softmax_scale(scale, q)
-    selection = select_chunks(q, k, spec, chunk_size=chunk_size, top_k=top_k, granularity=granularity,
-                              document_ids=document_ids)
+    selection = select_chunks(q, k, spec, document_ids=document_ids)
     mask = dense_moba_mask(selection)  # [B, H, S, S]
     group = q.shape[1] // k.shape[1]
     k32 = k.float().repeat_interleave(group, dim=1)

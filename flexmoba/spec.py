@@ -9,12 +9,16 @@ where it is written, not at the first forward.
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 from flexmoba import validation
+from flexmoba.backends.registry import AUTO, backend_names
 
-__all__ = ["Granularity", "MobaSpec", "resolve_spec"]
+__all__ = ["Granularity", "MobaSpec", "resolve_spec", "takes_settings"]
 
 Granularity = Literal["token"] | int
 
@@ -40,10 +44,9 @@ class MobaSpec:
         chunk_size = validation.check_positive_int(self.chunk_size, "MobaSpec.chunk_size")
         validation.check_positive_int(self.top_k, "MobaSpec.top_k")
         validation.check_granularity(self.granularity, chunk_size, "MobaSpec.granularity")
-        from flexmoba.backends import AUTO, backend_names  # the built-in kernels import the gate, which imports this
-
         if self.backend != AUTO and self.backend not in backend_names():
             raise ValueError(f"MobaSpec.backend must be one of {(AUTO, *backend_names())}, got {self.backend!r}")
+
 
 def resolve_spec(spec: MobaSpec | None, chunk_size=None, top_k=None, granularity=None, backend=None) -> MobaSpec:
     """The spec of a call that takes either ``spec`` or the keyword settings, never both."""
@@ -59,3 +62,29 @@ def resolve_spec(spec: MobaSpec | None, chunk_size=None, top_k=None, granularity
     if missing:
         raise TypeError(f"missing MoBA setting(s) {', '.join(missing)}: give them as keywords or as spec=MobaSpec(...)")
     return MobaSpec(**given)
+
+
+SETTINGS = ("chunk_size", "top_k", "granularity", "backend")
+F = TypeVar("F", bound=Callable)
+
+
+def takes_settings(fn: F) -> F:
+    """Let ``fn(..., spec, ...)`` take MoBA's settings as the keywords ``chunk_size``, ``top_k``,
+    ``granularity`` and ``backend`` instead of ``spec``: they become its :class:`MobaSpec` here,
+    so ``fn`` always receives one (:func:`resolve_spec`'s rules)."""
+    signature = inspect.signature(fn)
+    parameters = [p.replace(default=None) if p.name == "spec" else p for p in signature.parameters.values()]
+    binder = signature.replace(parameters=parameters)
+
+    @functools.wraps(fn)
+    def with_spec(*args, **kwargs):
+        given = {name: kwargs.pop(name) for name in SETTINGS if name in kwargs}
+        bound = binder.bind(*args, **kwargs)
+        bound.arguments["spec"] = resolve_spec(bound.arguments.get("spec"), **given)
+        return fn(*bound.args, **bound.kwargs)
+
+    settings = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in SETTINGS]
+    keyword_only = next((i for i, p in enumerate(parameters) if p.kind is p.KEYWORD_ONLY), len(parameters))
+    shown = parameters[:keyword_only] + settings + parameters[keyword_only:]
+    with_spec.__signature__ = binder.replace(parameters=shown)
+    return with_spec

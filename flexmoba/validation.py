@@ -236,3 +236,28 @@ def check_means_gate(q, means, own) -> None:
         raise TypeError(f"own must be an integer tensor [B, S], got {getattr(own, 'dtype', type(own).__name__)}")
     if tuple(own.shape) != (B, S) or own.device != q.device:
         raise ValueError(f"own must be [B, S] = [{B}, {S}] on {q.device}, got {tuple(own.shape)} on {own.device}")
+
+
+def check_local_queries(q, k, v, query_start: int) -> None:
+    """``q: [B, H, S, D]`` at ``[query_start, query_start + S)`` of ``k, v: [B, H_kv, T, D]`` (v None: not checked)."""
+    check_tensor(q, "q", 4)
+    check_tensor(k, "k", 4)
+    if isinstance(query_start, bool) or not isinstance(query_start, int) or query_start < 0:
+        raise ValueError(f"query_start must be an int >= 0, got {query_start!r}")
+    T = k.shape[2]
+    if query_start + q.shape[2] > T:
+        raise ValueError(f"queries [{query_start}, {query_start + q.shape[2]}) reach past the {T} keys of k")
+    local = slice(query_start, query_start + q.shape[2])
+    check_qk(q, k[:, :, local])
+    if v is not None:
+        check_qkv(q, k[:, :, local], v[:, :, local])
+        if v.shape[2] != T:
+            raise ValueError(f"v must have the {T} positions of k, got {tuple(v.shape)}")
+
+
+def check_own_chunk(own, own_chunk, means) -> None:
+    """``own_chunk``: a host int in ``[0, N)`` of ``means: [B, H_kv, N, D]``, given instead of ``own``."""
+    if own is not None:
+        raise ValueError("give own or own_chunk, not both")
+    if isinstance(own_chunk, bool) or not isinstance(own_chunk, int) or not 0 <= own_chunk < means.shape[2]:
+        raise ValueError(f"own_chunk must be an int in [0, {means.shape[2]}), got {own_chunk!r}")

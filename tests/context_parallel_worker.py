@@ -8,12 +8,18 @@ to ``<out>/rank<r>.txt``: ``ok`` when the output and the dq, dk, dv slices agree
 import sys
 from pathlib import Path
 
+import registered_backend
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from flexmoba import MobaSpec, moba_attention
-from flexmoba.context_parallel import ContextParallel, context_parallel_attention, shard_sequence
+from flexmoba.context_parallel import (
+    ContextParallel,
+    context_parallel_attention,
+    context_parallel_full_attention,
+    shard_sequence,
+)
 
 
 def whole_and_sliced(attend_whole, spec, doc, cp, heads=(4, 2), S=256):
@@ -24,7 +30,10 @@ def whole_and_sliced(attend_whole, spec, doc, cp, heads=(4, 2), S=256):
     out = attend_whole(*leaves)
     expected = [shard_sequence(t, cp) for t in (out, *torch.autograd.grad((out * grad_out).sum(), leaves))]
     local = [shard_sequence(x, cp).clone().requires_grad_() for x in (q, k, v)]
-    out = context_parallel_attention(*local, cp, spec, document_ids=doc)
+    if spec is None:
+        out = context_parallel_full_attention(*local, cp, document_ids=doc)
+    else:
+        out = context_parallel_attention(*local, cp, spec, document_ids=doc)
     got = [out, *torch.autograd.grad((out * shard_sequence(grad_out, cp)).sum(), local)]
     return max(float((g - e).abs().max()) for g, e in zip(got, expected, strict=True))
 
@@ -38,7 +47,7 @@ def main(out_dir: Path) -> None:
     doc[1, 140:] = 2
     causal = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
     cases = {}
-    for backend in ("gather", "sdpa"):
+    for backend in ("gather", "sdpa", registered_backend.register()):
         spec = MobaSpec(32, 3, backend=backend)
         for name, ids in (("plain", None), ("documents", doc)):
             whole = lambda q, k, v, ids=ids: moba_attention(q, k, v, MobaSpec(32, 3, backend="gather"),  # noqa: E731

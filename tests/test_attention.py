@@ -162,20 +162,16 @@ def test_bfloat16_runs_and_stays_close_to_fp32():
 @given(problems())
 def test_gather_unfused_path_equals_reference_with_gradients(problem):
     """The path gather takes off CPU (plain tensor math), checked here by forcing it."""
-    import flexmoba.gather as gather
+    from flexmoba.tuning import use_tuning
 
     grad_out = seeded_randn(problem.q)
     results = []
     for fused in (False, True):
-        original = gather._fused_cpu
-        gather._fused_cpu = lambda q, fused=fused, original=original: fused and original(q)
-        try:
+        with use_tuning("cpu", gather_fused_kernel=fused):
             inputs = [t.clone().requires_grad_() for t in (problem.q, problem.k, problem.v)]
             out = moba_attention(*inputs, backend="gather", **problem.attention_kwargs)
             (out * grad_out).sum().backward()
             results.append([out] + [t.grad for t in inputs])
-        finally:
-            gather._fused_cpu = original
     inputs = [t.clone().requires_grad_() for t in (problem.q, problem.k, problem.v)]
     ref = moba_reference(*inputs, **problem.attention_kwargs)
     (ref * grad_out).sum().backward()

@@ -4,6 +4,7 @@ the registration contract (attention and decoding), and which backend ``auto`` p
 from unittest import mock
 
 import pytest
+import registered_backend
 import torch
 from hypothesis import given
 from torch.nn.attention.flex_attention import flex_attention
@@ -17,21 +18,18 @@ from flexmoba import (
     register_backend,
 )
 from flexmoba import backends as backend_table
-from flexmoba.backends import (
-    CPU_GATHER_MIN_SEQ,
-    CPU_TILE_FLEX_MIN_SEQ,
-    DECODE_GATHER_MAX_QUERIES,
-    resolve_backend,
-    resolve_decode_backend,
-)
+from flexmoba.backends import registry, resolve_backend, resolve_decode_backend
 from flexmoba.decode_kernels import DecodeStep
 from flexmoba.gate import Selection
+from flexmoba.tuning import tuning_for
 
 import oracle
 from conformance_cases import load_cases
 from strategies import problems, random_inputs
 
 BUILT_IN = ("flex", "flex_union", "gather", "sdpa")
+CPU = tuning_for("cpu")
+DECODE_GATHER_MAX_QUERIES = CPU.decode_gather_max_queries
 FLEX_BACKENDS = ("flex", "flex_union")
 
 
@@ -81,13 +79,13 @@ def test_every_backend_matches_the_official_vectors(conformance_dir, backend):
 @pytest.fixture
 def scratch_backend():
     yield "scratch"
-    backend_table._TABLE.pop("scratch", None)
+    registry._registered.pop("scratch", None)
 
 
 def test_a_registered_backend_receives_the_selection_and_its_output_is_returned(scratch_backend):
     seen = {}
 
-    def constant(q, k, v, selection, scale):
+    def constant(q, k, v, selection, scale, *, query_start=0):
         seen.update(selection=selection, scale=scale)
         return torch.full_like(q, 3.0)
 
@@ -101,19 +99,19 @@ def test_a_registered_backend_receives_the_selection_and_its_output_is_returned(
 
 
 def test_registering_a_name_twice_needs_replace(scratch_backend):
-    register_backend(scratch_backend, lambda q, k, v, selection, scale: q)
+    register_backend(scratch_backend, lambda q, k, v, selection, scale, query_start=0: q)
     with pytest.raises(ValueError, match="already registered"):
-        register_backend(scratch_backend, lambda q, k, v, selection, scale: q)
+        register_backend(scratch_backend, lambda q, k, v, selection, scale, query_start=0: q)
     with pytest.raises(ValueError, match="already registered"):
-        register_backend("gather", lambda q, k, v, selection, scale: q)
-    register_backend(scratch_backend, lambda q, k, v, selection, scale: 2 * q, replace=True)
+        register_backend("gather", lambda q, k, v, selection, scale, query_start=0: q)
+    register_backend(scratch_backend, lambda q, k, v, selection, scale, query_start=0: 2 * q, replace=True)
     q, k, v = random_inputs(0, 1, 1, 1, 8, 4)
     assert torch.equal(moba_attention(q, k, v, chunk_size=4, top_k=1, backend=scratch_backend), 2 * q)
 
 
 def test_auto_is_reserved_and_unknown_names_are_refused():
     with pytest.raises(ValueError, match="reserved"):
-        register_backend("auto", lambda q, k, v, selection, scale: q)
+        register_backend("auto", lambda q, k, v, selection, scale, query_start=0: q)
     with pytest.raises(TypeError, match="callable"):
         register_backend("nope", 3)
     q, k, v = random_inputs(0, 1, 1, 1, 8, 4)
@@ -136,7 +134,7 @@ def test_a_registered_decode_kernel_receives_the_gated_step_and_its_output_is_re
         seen["step"] = step
         return torch.full_like(step.q, 5.0)
 
-    register_backend(scratch_backend, lambda q, k, v, selection, scale: q, decode=marker)
+    register_backend(scratch_backend, lambda q, k, v, selection, scale, query_start=0: q, decode=marker)
     q, cache = filled_cache()
     out = moba_decode_attention(q, cache, top_k=2, backend=scratch_backend, scale=0.25)
     assert torch.equal(out, torch.full_like(q, 5.0))
@@ -147,8 +145,27 @@ def test_a_registered_decode_kernel_receives_the_gated_step_and_its_output_is_re
     assert step.past.shape == step.valid.shape == (1, 2, 2, 1) and bool(step.valid.all())
 
 
+def test_a_registered_backend_decodes_a_cache_to_the_oracle():
+    """The test's own backend (written from the protocol alone) decodes token by token after a
+    prefill, through the same dispatch as the built-ins: the rows of the oracle over the whole
+    sequence."""
+    name = registered_backend.register()
+    try:
+        q, k, v = random_inputs(3, 2, 4, 2, 70, 8)
+        cache = MoBAKVCache(8)
+        cache.update(k[:, :, :40], v[:, :, :40])
+        outs = [moba_decode_attention(q[:, :, 36:40], cache, top_k=3, backend=name)]
+        for t in range(40, 70):
+            cache.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+            outs.append(moba_decode_attention(q[:, :, t:t + 1], cache, top_k=3, backend=name))
+    finally:
+        registered_backend.unregister()
+    expected = oracle.attention(q, k, v, chunk_size=8, top_k=3)[:, :, 36:]
+    torch.testing.assert_close(torch.cat(outs, 2).double(), expected, atol=1e-6, rtol=1e-6)
+
+
 def test_a_backend_without_decode_is_refused_by_name(scratch_backend):
-    register_backend(scratch_backend, lambda q, k, v, selection, scale: q)
+    register_backend(scratch_backend, lambda q, k, v, selection, scale, query_start=0: q)
     q, cache = filled_cache()
     with pytest.raises(ValueError, match=f"^backend '{scratch_backend}' does not decode") as error:
         moba_decode_attention(q, cache, top_k=2, backend=scratch_backend)
@@ -192,10 +209,10 @@ def inputs(S, grad=False, device="cpu"):
     return q, k, v
 
 
-LONG = CPU_TILE_FLEX_MIN_SEQ
+LONG = CPU.auto_tile_flex_min_seq
 
 
-SHORT = CPU_GATHER_MIN_SEQ
+SHORT = CPU.auto_gather_min_seq
 
 
 @pytest.mark.parametrize("S, chunk_size, grad, granularity, expected", [

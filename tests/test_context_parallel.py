@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import registered_backend
 import torch
 import torch.nn.functional as F
 from flex_standin import flex_standin
@@ -22,10 +23,10 @@ from flexmoba.context_parallel import (
     attended_pairs_per_rank,
     local_causal_attention,
     local_moba_attention,
-    local_moba_selection,
     sequence_slice,
     shard_sequence,
 )
+from flexmoba.gate import select_local_chunks
 from flexmoba.pair_counts import keys_attended_moba
 
 import oracle
@@ -85,6 +86,38 @@ def test_slices_equal_single_process_moba(backend, n, with_documents):
     assert_runs_equal(split, whole)
 
 
+@pytest.fixture
+def user_backend():
+    yield registered_backend.register()
+    registered_backend.unregister()
+
+
+@pytest.mark.parametrize("with_documents", [False, True])
+def test_a_registered_backend_runs_on_slices_like_the_built_ins(user_backend, with_documents):
+    """A backend registered with :func:`flexmoba.register_backend` (written in the test, from the
+    protocol alone) gets the local queries at their offset: 4 ranks, boundaries inside chunks."""
+    q, k, v, grad_out = inputs()
+    S = q.shape[2]
+    doc = documents_crossing(2, S, [S * r // 4 for r in range(1, 4)]) if with_documents else None
+    spec = MobaSpec(32, 3, backend=user_backend)
+    whole = whole_run(lambda q, k, v: moba_attention(q, k, v, MobaSpec(32, 3, backend="gather"), document_ids=doc),
+                      q, k, v, grad_out)
+    split = split_run(lambda q, k, v, o: local_moba_attention(q, k, v, spec, o, document_ids=doc), q, k, v, grad_out, 4)
+    assert_runs_equal(split, whole)
+
+
+def test_a_backend_that_declares_no_offsets_is_refused_by_name():
+    name = registered_backend.register(context_parallel=False)
+    try:
+        q, k, v, _ = inputs(S=64)
+        with pytest.raises(ValueError, match=f"^MobaSpec.backend='{name}' has no context-parallel path"):
+            local_moba_attention(q[:, :, 32:], k, v, MobaSpec(16, 2, backend=name), 32)
+        with pytest.raises(ValueError, match="^MobaSpec.backend='flex_union' has no context-parallel path"):
+            local_moba_attention(q[:, :, 32:], k, v, MobaSpec(16, 2, backend="flex_union"), 32)
+    finally:
+        registered_backend.unregister()
+
+
 def test_compiled_cpu_flex_with_its_sink_matches_too():
     q, k, v, _ = inputs(B=1, S=128)
     with torch.no_grad():
@@ -120,7 +153,7 @@ def test_local_selection_is_the_slice_of_the_whole_selection(n):
     whole = select_chunks(q, k, spec, document_ids=doc)
     L = 256 // n
     for r in range(n):
-        local = local_moba_selection(q[:, :, r * L:(r + 1) * L], k, spec, r * L, document_ids=doc)
+        local = select_local_chunks(q[:, :, r * L:(r + 1) * L], k, spec, r * L, document_ids=doc)
         assert torch.equal(local.chunks, whole.chunks[:, :, r * L:(r + 1) * L])
 
 
@@ -198,7 +231,8 @@ def test_bad_local_calls_are_refused_by_name():
 @pytest.mark.slow
 def test_two_gloo_processes_equal_one(tmp_path):
     """The all-gather and its backward over a real group: each rank's output and dq, dk, dv
-    slices equal the single-process ones (MoBA with GQA and documents, full attention)."""
+    slices equal the single-process ones (MoBA with GQA and documents, through gather, sdpa and a
+    backend registered by the test; full attention)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(TESTS / "context_parallel_worker.py"), str(tmp_path)],
@@ -206,4 +240,4 @@ def test_two_gloo_processes_equal_one(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for rank in (0, 1):
         report = (tmp_path / f"rank{rank}.txt").read_text()
-        assert report.count("ok ") == 6, report
+        assert report.count("ok ") == 8 and "test-masked-softmax documents" in report, report

@@ -19,19 +19,23 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import flex_attention
 
 from flexmoba import (
+    MobaSpec,
     compiled_flex_attention,
     dense_moba_mask,
-    gate,
     moba_flex_plan,
     select_chunks,
 )
+from flexmoba.backends.sdpa import local_dense_mask
 from flexmoba.decode import moba_decode_attention
-from flexmoba.gate import select_against_means
-from flexmoba.gather import BLOCK_UNITS, QUERY_BLOCK
+from flexmoba.gate import select_against_means, select_local_chunks
+from flexmoba.gate.maxima import best_rows
+from flexmoba.gate.ties import candidate_rows, chunk_of_row
+from flexmoba.gather import BLOCK_UNITS
 from flexmoba.kv_cache import ChunkKeySums, MoBAKVCache
+from flexmoba.tuning import tuning_for, use_tuning
 
 import oracle
-from maxima_paths import MAXIMA_PATHS, gate_settings, maxima_path
+from maxima_paths import MAXIMA_PATHS, maxima_path
 from strategies import Problem, divisors, document_ids, random_inputs, run_backend, seeded_randn
 
 BACKENDS = ["sdpa", "gather", "reference"]  # every backend with CPU gradients; "reference": moba_reference
@@ -101,8 +105,9 @@ def test_maxima_order_as_score_then_later_chunk(path, scores):
     (0.0 and -0.0 included, though their bits differ) and the later chunk wins; -inf is never taken."""
     n = len(scores)
     with maxima_path(path):
-        latest_first = torch.tensor(scores[::-1], dtype=torch.float32)[:, None]  # row i: chunk n - 1 - i
-        chunks, valid = gate._latest_first_maxima(latest_first, n)
+        rows = candidate_rows(torch.tensor(scores, dtype=torch.float32)[:, None], 0, n).contiguous()
+        best, valid = best_rows(rows, n)
+        chunks = chunk_of_row(best, 0, n)
     by_rule = sorted(range(n), key=lambda j: (scores[j], j), reverse=True)
     taken = [j for j in by_rule if scores[j] > float("-inf")]
     assert chunks[:len(taken), 0].tolist() == taken and valid[:, 0].tolist() == [True] * len(taken) + [False] * (
@@ -148,25 +153,36 @@ def test_tied_gate_scores_decode_equals_oracle_on_every_maxima_path(path):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def every_chunk_span(own, heads, n_global, first=None):
-    """The spans off CPU: every position against every chunk (bounds would take a host read)."""
-    return [(0, own.shape[1], 0, n_global)]
-
-
-@pytest.mark.parametrize("spans", [gate.position_spans, every_chunk_span], ids=["cpu_spans", "every_chunk"])
+@pytest.mark.parametrize("spans_read_host", [True, False], ids=["cpu_spans", "every_chunk"])
 @pytest.mark.parametrize("path", MAXIMA_PATHS)
 @given(tied_problems())
-def test_tied_gate_scores_with_documents_equal_oracle_on_every_maxima_path(spans, path, problem):
+def test_tied_gate_scores_with_documents_equal_oracle_on_every_maxima_path(spans_read_host, path, problem):
     """With documents the gate scores spans of positions against the chunks they may select, latest
     first, a -inf bias off each position's document past, and takes maxima like decoding's gate
     (:mod:`maxima_paths`). Small problems only reach ``max`` with indices, so each path is forced
-    here; so are many spans (small problems fill one) and the one span other devices use."""
+    here; so are many spans (small problems fill one) and the one span other devices use (bounds
+    would take a host read there)."""
     B, S = problem.q.shape[0], problem.q.shape[2]
     ids = problem.document_ids if problem.document_ids is not None else torch.zeros(B, S, dtype=torch.long)
     kwargs = {**problem.kwargs, "document_ids": ids}
-    with gate_settings(position_spans=spans, SPAN_SCORES=1), maxima_path(path):
+    with maxima_path(path, spans_read_host=spans_read_host, span_scores=1):
         mask = dense_moba_mask(select_chunks(problem.q, problem.k, **kwargs))
     assert torch.equal(mask, oracle.dense_mask(problem.q, problem.k, **kwargs)), problem
+
+
+@pytest.mark.parametrize("path", MAXIMA_PATHS)
+@given(tied_problems(), st.data())
+def test_tied_gate_scores_under_context_parallelism_equal_oracle(path, problem, data):
+    """Context parallelism's gate (a slice of queries against every key) breaks ties as the whole
+    sequence's does: the slice's mask is the oracle's rows, at a drawn boundary."""
+    S = problem.q.shape[2]
+    start = data.draw(st.integers(1, S - 1), label="query_start")
+    spec = MobaSpec(problem.chunk_size, problem.top_k)
+    expected = oracle.dense_mask(problem.q, problem.k, problem.chunk_size, problem.top_k,
+                                 document_ids=problem.document_ids)
+    with maxima_path(path, span_scores=1):
+        selection = select_local_chunks(problem.q[:, :, start:], problem.k, spec, start, problem.document_ids)
+    assert torch.equal(local_dense_mask(selection, start, S), expected[:, :, start:]), problem
 
 
 @pytest.mark.parametrize("path", ["pooled", "amax_passes"])
@@ -176,8 +192,8 @@ def test_tied_gate_scores_on_the_grid_equal_oracle_on_both_maxima_paths(path, pr
     passes elsewhere; each is forced here, in one group and in one group per query chunk."""
     kwargs = {**problem.kwargs, "document_ids": None}
     expected = oracle.dense_mask(problem.q, problem.k, **kwargs)
-    for group_scores in (gate.GROUP_SCORES, 1):
-        with gate_settings(GROUP_SCORES=group_scores), maxima_path(path):
+    for group_scores in (tuning_for("cpu").group_scores, 1):
+        with maxima_path(path, group_scores=group_scores):
             mask = dense_moba_mask(select_chunks(problem.q, problem.k, **kwargs))
         assert torch.equal(mask, expected), (group_scores, problem)
 
@@ -256,21 +272,19 @@ def popular_chunk_inputs(S=640, c=8):
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
-def test_many_queries_selecting_the_same_chunk_have_reference_gradients(fused, monkeypatch):
-    import flexmoba.gather as gather
-
-    if not fused:
-        monkeypatch.setattr(gather, "_fused_cpu", lambda q: False)
+def test_many_queries_selecting_the_same_chunk_have_reference_gradients(fused):
     q, k, v = popular_chunk_inputs()
     kw = dict(chunk_size=8, top_k=2)
     chunks = select_chunks(q, k, **kw).chunks
     assert chunks[:, :, 8:, 0].all(), "chunk 0 is everyone's pick"
-    assert (q.shape[2] - 8) * q.shape[1] > BLOCK_UNITS[0] * QUERY_BLOCK, "chunk 0's pairs fill several block sizes"
+    fills_several_sizes = (q.shape[2] - 8) * q.shape[1] > BLOCK_UNITS[0] * tuning_for(q.device).gather_query_block
+    assert fills_several_sizes, "chunk 0's pairs fill several block sizes"
     grad_out = seeded_randn(q)
 
     def grads(backend):
         inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-        (run_backend(backend, *inputs, **kw) * grad_out).sum().backward()
+        with use_tuning("cpu", gather_fused_kernel=fused):
+            (run_backend(backend, *inputs, **kw) * grad_out).sum().backward()
         return [t.grad for t in inputs]
 
     for got, want, name in zip(grads("gather"), grads("reference"), "qkv", strict=True):

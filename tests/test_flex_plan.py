@@ -8,8 +8,8 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from flexmoba import MobaSpec, compiled_flex_attention, moba_flex_plan, select_chunks
 from flexmoba import flex_plan as flex_plan_module
-from flexmoba.context_parallel import local_moba_selection
 from flexmoba.flex_plan import plan_from_selection
+from flexmoba.gate import select_local_chunks
 
 import oracle
 from strategies import Problem, problems, random_inputs
@@ -110,7 +110,7 @@ def test_block_tables_of_queries_after_a_prefix_match_the_dense_virtual_mask(pro
     """Context parallelism's plans: the queries are positions ``[query_start, T)`` of T keys."""
     query_start %= problem.q.shape[2]
     spec = MobaSpec(problem.chunk_size, problem.top_k)
-    selection = local_moba_selection(problem.q[:, :, query_start:], problem.k, spec, query_start,
+    selection = select_local_chunks(problem.q[:, :, query_start:], problem.k, spec, query_start,
                                      problem.document_ids)
     plan = plan_from_selection(selection, problem.k.shape[1], block_size=block_size, sink=sink,
                                query_start=query_start)

@@ -5,9 +5,10 @@ import torch
 from hypothesis import given, settings
 
 from flexmoba import dense_moba_mask, moba_selection, select_chunks
+from flexmoba.tuning import use_tuning
 
 import oracle
-from maxima_paths import gate_settings, maxima_path
+from maxima_paths import maxima_path
 from strategies import EXAMPLES, describe, more_examples, problems, with_examples
 
 
@@ -56,7 +57,7 @@ def test_selection_equals_oracle(problem):
 def test_selection_in_one_group_per_query_chunk_equals_oracle(problem):
     """Small problems score all query chunks as one group; this scores each apart (up to 16 groups, or
     spans of positions with documents)."""
-    with gate_settings(GROUP_SCORES=1, SPAN_SCORES=1):
+    with use_tuning("cpu", group_scores=1, span_scores=1):
         got = dense_moba_mask(select_chunks(problem.q, problem.k, **problem.kwargs))
     assert torch.equal(got, oracle.dense_mask(problem.q, problem.k, **problem.kwargs)), problem
 
@@ -277,3 +278,15 @@ def test_the_gate_selects_in_fp32_under_bf16_autocast(documents):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = select_chunks(q, k, chunk_size=64, top_k=4, document_ids=ids)
     assert torch.equal(got.chunks, expected.chunks)
+
+
+@pytest.mark.parametrize("rows", [2, 7, 64, 300])
+def test_cpu_max_pool2d_returns_the_first_row_of_equal_maxima(rows):
+    """The pooled maxima (:mod:`flexmoba.gate.maxima`) rely on this property of CPU ``max_pool2d``,
+    which torch does not document: of equal maxima in a window, the index of the first. Columns of
+    all-equal, two-equal and distinct values, viewed channels last as the gate views them."""
+    columns = torch.stack([torch.ones(rows), torch.arange(rows) % 2, torch.arange(rows).float()], -1)  # [rows, 3]
+    planes = columns.contiguous().view(1, rows, 1, 3).permute(0, 3, 1, 2)  # [1, 3, rows, 1], channels last
+    best, index = torch.nn.functional.max_pool2d(planes, (rows, 1), return_indices=True)
+    assert index.flatten().tolist() == [0, 1, rows - 1]
+    assert best.flatten().tolist() == [1.0, 1.0, rows - 1.0]

@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flexmoba import gather, moba_reference, select_chunks
+from flexmoba.tuning import tuning_for, use_tuning
 
 from strategies import problems
 
@@ -17,17 +18,14 @@ def test_any_query_block_gives_reference_gradients(problem, query_block, fused, 
     ``batched``: all past pairs as one batch of blocks, or one call per chunk (the long-sequence path).
     ``split_own``: every even own chunk as two causal halves and the second half over the first."""
     grad_out = torch.randn(problem.q.shape, generator=torch.Generator().manual_seed(0))
-    original, original_cap, original_split = gather._fused_cpu, gather.BATCHED_PAIRS_MAX_BYTES, gather.SPLIT_OWN_MIN
-    gather._fused_cpu = lambda q: fused and original(q)
-    gather.BATCHED_PAIRS_MAX_BYTES = original_cap if batched else 0
-    gather.SPLIT_OWN_MIN = 2 if split_own else original_split
-    try:
+    cpu = tuning_for("cpu")
+    with use_tuning(cpu, gather_fused_kernel=fused,
+                    gather_batched_pairs_max_bytes=cpu.gather_batched_pairs_max_bytes if batched else 0,
+                    gather_split_own_min=2 if split_own else cpu.gather_split_own_min):
         inputs = [t.clone().requires_grad_() for t in (problem.q, problem.k, problem.v)]
         selection = select_chunks(inputs[0], inputs[1], **problem.kwargs)
         out = gather.gather_moba_attention(*inputs, selection, query_block=query_block)
         got = torch.autograd.grad((out * grad_out).sum(), inputs)
-    finally:
-        gather._fused_cpu, gather.BATCHED_PAIRS_MAX_BYTES, gather.SPLIT_OWN_MIN = original, original_cap, original_split
     inputs = [t.clone().requires_grad_() for t in (problem.q, problem.k, problem.v)]
     ref = moba_reference(*inputs, **problem.kwargs)
     expected = torch.autograd.grad((ref * grad_out).sum(), inputs)

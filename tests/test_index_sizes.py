@@ -6,7 +6,7 @@ import pytest
 import torch
 from flex_standin import flex_standin
 
-from flexmoba import moba_attention, select_chunks, use_flex_attention
+from flexmoba import MobaSpec, moba_attention, select_chunks, use_flex_attention
 from flexmoba.gate import Selection
 from flexmoba.layout import chunk_layout
 from flexmoba.masks import MAX_FLEX_OFFSET, check_flex_index, largest_offset, moba_mask_mod
@@ -18,7 +18,7 @@ def meta_selection(B, H, S, n_chunks):
     layout = chunk_layout(B, S, 1, META)
     chunks = torch.empty(B, H, S, n_chunks, dtype=torch.bool, device=META)
     past = torch.empty(B, H, S, 1, dtype=torch.long, device=META)
-    selection = Selection(past, past.bool(), layout)
+    selection = Selection(past, past.bool(), layout, MobaSpec(chunk_size=1, top_k=2))
     selection.__dict__["chunks"] = chunks  # the width under test, which no real layout of S tokens has
     return selection
 

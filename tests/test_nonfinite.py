@@ -1,16 +1,15 @@
 """Non-finite inputs: a NaN never wins a gate slot; a non-finite key shows up only where it is attended,
 the same on every backend, decode kernel and context-parallel split as in the oracle."""
 
-import contextlib
 
 import pytest
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-import flexmoba.gather as gather
 from flexmoba import MoBAKVCache, MobaSpec, moba_attention, moba_decode_attention, moba_selection
 from flexmoba.context_parallel import local_moba_attention
+from flexmoba.tuning import use_tuning
 
 import oracle
 from maxima_paths import MAXIMA_PATHS, maxima_path
@@ -137,15 +136,9 @@ def decoded(problem: Problem, backend: str) -> torch.Tensor:
     return torch.cat(outs, 2)
 
 
-@contextlib.contextmanager
 def unfused_gather():
     """Gather's path off CPU (plain tensor math), forced."""
-    original = gather._fused_cpu
-    gather._fused_cpu = lambda q: False
-    try:
-        yield
-    finally:
-        gather._fused_cpu = original
+    return use_tuning("cpu", gather_fused_kernel=False)
 
 
 def split_in_ranks(problem: Problem, backend: str, ranks: int = 4) -> torch.Tensor:

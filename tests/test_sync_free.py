@@ -15,9 +15,10 @@ import torch
 from flex_standin import flex_standin
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from flexmoba import MobaSpec, gate, moba_attention, use_flex_attention
+from flexmoba import MobaSpec, moba_attention, use_flex_attention
 from flexmoba.layout import chunk_layout
 from flexmoba.model import GPT, ModelConfig
+from flexmoba.tuning import use_tuning
 
 META = torch.device("meta")
 
@@ -92,13 +93,12 @@ class HostReads(TorchDispatchMode):
         return torch.Tag.data_dependent_output in func.tags or torch.Tag.dynamic_output_shape in func.tags
 
 
-def test_the_whole_documents_path_reads_the_chunk_count_once(monkeypatch):
+def test_the_whole_documents_path_reads_the_chunk_count_once():
     """Off CPU the gate scores every chunk in one span; on CPU it reads its spans' bounds (tighter
     spans, a read the CPU does not pay a sync for), so the spans other devices take are forced here."""
     q, k, v, ids = documents_problem("cpu")
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    monkeypatch.setattr(gate, "position_spans", lambda own, heads, n, first=None: [(0, own.shape[1], 0, n)])
-    with use_flex_attention(flex_standin), HostReads() as counter:
+    with use_tuning("cpu", spans_read_host=False), use_flex_attention(flex_standin), HostReads() as counter:
         moba_attention(q, k, v, chunk_size=8, top_k=2, backend="flex", document_ids=ids).sum().backward()
     assert counter.reads == ["aten::_local_scalar_dense"], counter.reads
 

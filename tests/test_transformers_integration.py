@@ -250,9 +250,10 @@ def test_unsupported_attention_calls_name_the_problem():
 def test_cached_steps_decode_with_the_settings_backend():
     # The adapter decodes through the one dispatch, with its backend: a registered decode
     # kernel is what a cached step returns; a backend that does not decode is refused by name.
-    from flexmoba import backends, register_backend
+    from flexmoba import register_backend
+    from flexmoba.backends import registry
 
-    register_backend("hf-marker", backends.get_backend("sdpa"), decode=lambda step: torch.full_like(step.q, 7.0))
+    register_backend("hf-marker", registry.get_backend("sdpa"), decode=lambda step: torch.full_like(step.q, 7.0))
     try:
         q, kv = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 30, 8)  # one query after 29 cached keys
         module = types.SimpleNamespace(is_causal=True)
@@ -261,7 +262,7 @@ def test_cached_steps_decode_with_the_settings_backend():
         with pytest.raises(ValueError, match="backend 'flex' does not decode"):
             hf.make_attention_function(chunk_size=4, top_k=2, backend="flex")(module, q, kv, kv, None)
     finally:
-        backends._TABLE.pop("hf-marker")
+        registry._registered.pop("hf-marker")
 
 
 def test_non_causal_model_is_refused():

@@ -2,30 +2,29 @@
 
 A user mistake (a bad value, a path that is not there, a file that is not a checkpoint, a device this
 machine lacks, output that would be overwritten) is ``flexmoba: error: --option: what is wrong; what
-to do`` and exit code 2. Code anywhere below the command raises :class:`UsageError`; the command's
-entry (:func:`one_line_errors`) turns it into that line. A diverged run is one line and exit code 1.
+to do`` and exit code 2. Code below the command raises :class:`~lit.training.errors.UsageError` or,
+from the launcher's parser, :class:`~lit.training.errors.ConfigError` (jsonargparse's message, worded
+here as ``--option: rule``); the command's entry (:func:`one_line_errors`) turns either into that
+line. A diverged run is one line and exit code 1.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
+import re
 import sys
 from typing import NoReturn
 
-from lit.training.errors import TrainingDiverged
+from lit.training.errors import ConfigError, TrainingDiverged, UsageError, is_rank_zero
+from lit.training.options import with_suggestion
 
-
-class UsageError(ValueError):
-    """A mistake in how the command was called: the option to change, what is wrong with it, what to do."""
-
-    def __init__(self, option: str, problem: str, fix: str = ""):
-        self.option, self.problem, self.fix = option, problem, fix
-        super().__init__(f"{option}: {problem}" + (f"; {fix}" if fix else ""))
-
-
-def is_rank_zero() -> bool:
-    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0))) == 0
+PARSER_KEY = re.compile(r'^\s*(?:- )?Parser key "([^"]+)":\s*(.*)$')
+EXPECTED_TYPE = re.compile(r"^Expected a <class '(\w+)'>\. Got value: (.*)$")
+UNION_NOISE = ("Does not validate against", "Subtypes:", "Errors:", "- Problem with given class_path",
+               "- Expected a <class 'NoneType'>", "Given value")
+# The launcher's "--model.config: ModelConfig.d_model=30 must be ..." (or "MobaSpec.top_k must be ..."):
+# the field ModelConfig names, then its rule.
+MODEL_FIELD = re.compile(r"--model\.config: (ModelConfig|MobaSpec)\.(\w+)( |=)(.*)", re.DOTALL)
 
 
 def fail(message: str) -> NoReturn:
@@ -36,14 +35,54 @@ def fail(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
+def one_line_error(message: str) -> str:
+    """jsonargparse's nested, multi-line message as ``--option: rule``.
+
+    The option is the path of the innermost ``Parser key`` (``init_args`` dropped); the rule
+    is the first line under it that is not about the ``X | None`` union around it.
+    """
+    keys, rule = [], None
+    for line in message.splitlines():
+        match = PARSER_KEY.match(line)
+        if match:
+            keys += [k for k in match.group(1).split(".") if k != "init_args"]
+            rule = match.group(2) or None
+        elif keys and rule is None and line.strip() and not line.strip().startswith(UNION_NOISE):
+            rule = line.strip()
+    if not keys:
+        return " ".join(line.strip() for line in message.splitlines() if line.strip())
+    expected = EXPECTED_TYPE.match(rule or "")
+    if expected:
+        rule = f"must be {expected.group(1)}, got {expected.group(2)!r}"
+    return f"--{'.'.join(keys)}: {rule}"
+
+
+def model_field_line(line: str) -> str:
+    """``--model.config: ModelConfig.d_model=30 must be ...`` as ``--model.config.d_model: d_model=30 must
+    be ...`` (``MobaSpec.top_k ...`` as ``--model.config.moba.top_k: ...``); any other line as it is."""
+    field = MODEL_FIELD.fullmatch(line)
+    if not field:
+        return line
+    kind, name, separator, rule = field.groups()
+    option = ("--model.config." if kind == "ModelConfig" else "--model.config.moba.") + name
+    return f"{option}: {rule if separator == ' ' else name + '=' + rule}"
+
+
+def config_line(error: ConfigError) -> str:
+    """The launcher's refusal as one line naming the option, with the option a mistyped one may mean."""
+    return with_suggestion(model_field_line(one_line_error(error.message)), error.options)
+
+
 @contextlib.contextmanager
 def one_line_errors():
-    """A :class:`UsageError` ends the command with exit code 2, a diverged run with exit code 1, each
-    as one ``flexmoba: error: ...`` line (every process stops; rank 0 says why)."""
+    """A :class:`UsageError` or :class:`ConfigError` ends the command with exit code 2, a diverged run with
+    exit code 1, each as one ``flexmoba: error: ...`` line (every process stops; rank 0 says why)."""
     try:
         yield
     except UsageError as error:
         fail(str(error))
+    except ConfigError as error:
+        fail(config_line(error))
     except TrainingDiverged as diverged:
         if is_rank_zero():
             sys.stderr.write(f"flexmoba: error: {diverged}\n")

@@ -29,8 +29,9 @@ import torch
 
 from flexmoba.checkpoint import checkpoint_tokenizer, load_model, read_checkpoint
 from flexmoba.integrations.export import to_llama
-from lit.cli import checks
-from lit.cli.options import fail, parse_dataclass
+from lit.cli.errors import fail
+from lit.training import checks
+from lit.training.options import parse_dataclass
 
 DEFAULT_MAX_POSITIONS = 4096
 WeightDtype = Literal["float32", "bfloat16", "float16"]

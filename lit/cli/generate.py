@@ -23,8 +23,8 @@ import torch
 
 from flexmoba.checkpoint import checkpoint_tokenizer, load_model
 from flexmoba.model import GPT
-from lit.cli import checks
-from lit.cli.options import parse_dataclass
+from lit.training import checks
+from lit.training.options import parse_dataclass
 
 
 @torch.no_grad()

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from lit.cli import checks
-from lit.cli.errors import UsageError
-from lit.cli.options import parse_dataclass
+from lit.training import checks
+from lit.training.errors import UsageError
+from lit.training.options import parse_dataclass
 
 CHECKPOINT_NAME = "model.ckpt"
 TOKENIZER_NAME = "tokenizer.json"

@@ -15,11 +15,12 @@ from lit.cli.console import quiet_console
 from lit.cli.errors import one_line_errors
 
 
-def main() -> None:
+def main(args: list[str] | None = None) -> None:
+    """Run ``args`` (default: this process's command line) as ``flexmoba fit | validate | test | predict``."""
     with quiet_console(), one_line_errors():
         from lit.training.launch import run_cli
 
-        run_cli()
+        run_cli(args)
 
 
 if __name__ == "__main__":

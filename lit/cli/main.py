@@ -11,7 +11,9 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.util
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -60,6 +62,9 @@ def benchmark_names(folder: Path) -> list[str]:
 
 
 def run_benchmark(argv: list[str]) -> None:
+    """``flexmoba bench NAME ...`` is ``python -m benchmarks.NAME ...`` run from here (this directory, so
+    relative paths mean the same) with the checkout on the child's PYTHONPATH; it ends with the benchmark's
+    exit code. Nothing of the benchmark is imported into this process."""
     checkout = Path(__file__).resolve().parents[2]
     if not (checkout / "benchmarks").is_dir():
         fail("bench: the benchmarks run from a checkout of the repository (benchmarks/ is not installed)")
@@ -75,9 +80,12 @@ def run_benchmark(argv: list[str]) -> None:
         close = difflib.get_close_matches(name, names, n=1)
         hint = f"did you mean {close[0]}? " if close else ""
         fail(f"bench: no benchmark named {argv[0]!r}; {hint}one of {', '.join(names)}")
-    if str(checkout) not in sys.path:
-        sys.path.insert(0, str(checkout))
-    importlib.import_module(f"benchmarks.{name}").main(argv[1:])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(checkout), os.environ.get("PYTHONPATH")]))}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    code = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *argv[1:]], env=env).returncode
+    if code:
+        raise SystemExit(code)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -34,8 +34,8 @@ import torch
 from jsonargparse import DefaultHelpFormatter
 
 from flexmoba.model import ModelConfig
-from lit.cli.errors import fail
 from lit.training import metric_names as names
+from lit.training.errors import UsageError
 from lit.training.launch import fit_and_validate, read_config
 
 VARIANTS = ("moba", "full")
@@ -79,15 +79,15 @@ def complete_budget(config) -> None:
     position windows a quarter of the sequence, bf16 on a GPU."""
     for name in ("seeds", "final_val_batches"):
         if config[name] < 1:
-            fail(f"--{name}: must be a positive int, got {config[name]}")
+            raise UsageError(f"--{name}", f"must be a positive int, got {config[name]}")
     trainer, model, data = config.trainer, config.model, config.data.init_args
     attention = (model.config or {}).get("attention", "moba")
     if attention != "moba":
-        fail(f"--model.config.attention: compare trains both kinds (moba and full), got {attention!r}; drop it, "
-             "or train one kind with flexmoba fit")
+        raise UsageError("--model.config.attention", f"compare trains both kinds (moba and full), got {attention!r}",
+                         "drop it, or train one kind with flexmoba fit")
     steps = trainer.max_steps
     if not isinstance(steps, int) or steps < 1:
-        fail(f"--trainer.max_steps: must be a positive int, got {steps!r}")
+        raise UsageError("--trainer.max_steps", f"must be a positive int, got {steps!r}")
     trainer.val_check_interval = trainer.val_check_interval or min(steps, max(1, steps // 5))
     trainer.check_val_every_n_epoch = None
     model.warmup_steps = max(1, steps // 10) if model.warmup_steps is None else model.warmup_steps
@@ -130,13 +130,13 @@ def claim_folder(study: dict) -> None:
     recorded = study
     if settings.exists():
         if json.loads(settings.read_text()) != json.loads(json.dumps(recorded)):
-            fail(f"--out: {out} holds a compare study with other settings; give another --out, "
-                 "or the same arguments to resume it")
+            raise UsageError("--out", f"{out} holds a compare study with other settings",
+                             "give another --out, or the same arguments to resume it")
         return
     if out.exists() and not out.is_dir():
-        fail(f"--out: {out} is a file, not a folder; give a folder for the study")
+        raise UsageError("--out", f"{out} is a file, not a folder", "give a folder for the study")
     if out.exists() and any(out.iterdir()):
-        fail(f"--out: {out} exists and is not a compare study's folder; give another --out")
+        raise UsageError("--out", f"{out} exists and is not a compare study's folder", "give another --out")
     out.mkdir(parents=True, exist_ok=True)
     settings.write_text(json.dumps(recorded, indent=2))
 
@@ -161,8 +161,8 @@ def val_history(rows: list[dict[str, str]], max_steps: int) -> list[tuple[int, f
 def throughput(rows: list[dict[str, str]]) -> tuple[float, int]:
     """Training seconds (validation excluded) and tokens, summed over the fit's sessions (a resumed
     run restarts the clock), from the throughput monitor's cumulative counters."""
-    counters = [(float(r["throughput/train/time"]), int(float(r["throughput/train/lengths"]))) for r in rows
-                if r.get("throughput/train/time") and r.get("throughput/train/lengths")]
+    seconds, tokens = names.throughput("train", "time"), names.throughput("train", "lengths")
+    counters = [(float(r[seconds]), int(float(r[tokens]))) for r in rows if r.get(seconds) and r.get(tokens)]
     session_ends = [c for c, after in zip(counters, [*counters[1:], None], strict=False)
                     if after is None or after[0] < c[0]]
     return sum(t for t, _ in session_ends), sum(n for _, n in session_ends)
@@ -315,7 +315,7 @@ def summary_line(study: dict, results: list[dict]) -> str:
     out = Path(study["out"])
     losses = ", ".join(f"{attention} {fmt([r['final'][names.loss('val')] for r in runs], '.4f')}"
                        for attention, runs in by_attention(results).items())
-    return (f"flexmoba: compare done: val/loss {losses} ({study['final_val_batches']} batches); report "
+    return (f"flexmoba: compare done: {names.loss('val')} {losses} ({study['final_val_batches']} batches); report "
             f"{out / 'results.md'} (plots beside it); checkpoints {out}/<attention>/seed<N>/checkpoints/last.ckpt; "
             f"logs {out}/<attention>/seed<N>/csv, tb")
 
@@ -324,11 +324,3 @@ def main(argv: list[str] | None = None) -> Path:
     import sys
 
     return run(parse(sys.argv[1:] if argv is None else list(argv)))
-
-
-if __name__ == "__main__":
-    import sys
-
-    from lit.cli.main import main as flexmoba
-
-    flexmoba(["compare", *sys.argv[1:]])

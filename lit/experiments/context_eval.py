@@ -37,11 +37,11 @@ import torch.nn.functional as F
 
 from flexmoba.checkpoint import checkpoint_config, checkpoint_tokenizer, load_model
 from flexmoba.model import GPT
-from lit.cli import checks
-from lit.cli.errors import UsageError
-from lit.cli.options import parse_dataclass
 from lit.experiments.scaling_law import t_975
+from lit.training import checks
 from lit.training.data import DEFAULT_PATTERNS, default_root, list_files, select_files
+from lit.training.errors import UsageError
+from lit.training.options import parse_dataclass
 from lit.training.tokenizer import document_text
 
 FULL = "full"
@@ -500,9 +500,3 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"context-eval: {len(summary['documents'])} documents; trailing loss: "
           + ", ".join(f"{name} {fmt_interval(v)}" for name, v in trailing.items()) + f"; see {job.out}")
     return summary
-
-
-if __name__ == "__main__":
-    from lit.cli.main import main as flexmoba
-
-    flexmoba(["context-eval", *sys.argv[1:]])

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from lit.cli.errors import UsageError
-from lit.cli.options import parse_dataclass
 from lit.experiments.context_eval import FULL, read_records
+from lit.training.errors import UsageError
+from lit.training.options import parse_dataclass
 
 DRAWS = 2000
 NO_GAP = 1e-3  # nats/token: a window where training-free MoBA is this close to full attention has no gap
@@ -138,9 +138,3 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"gap-closed: trailing window {trailing['closed']:.0%} of the gap closed "
           f"[{trailing['low']:.0%}, {trailing['high']:.0%}]; see {out}")
     return result
-
-
-if __name__ == "__main__":
-    from lit.cli.main import main as flexmoba
-
-    flexmoba(["gap-closed", *sys.argv[1:]])

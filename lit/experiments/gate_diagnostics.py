@@ -3,8 +3,8 @@
 On the first validation batch of each validation run, per layer and head:
 
 - ``gate/recall_l{i}`` (and ``_h{j}``): share of full causal attention's probability mass on
-  the keys MoBA's gate selects (:func:`flexmoba.diagnostics.gate_recall`), averaged over the
-  queries that have more past chunks than ``top_k`` (elsewhere it is 1 by construction);
+  the keys MoBA's gate selects (:func:`flexmoba.diagnostics.selection_recall`), averaged over
+  the queries that have more past chunks than ``top_k`` (elsewhere it is 1 by construction);
 - ``gate/needle_hit_l{i}`` (and ``_h{j}``), with :class:`lit.experiments.retrieval.RetrievalData` only:
   share of answer queries whose gate selects the chunk holding the queried value;
 - ``gate/needle_in_chunk_l{i}``: share of answer queries for which *some* query of their
@@ -12,8 +12,8 @@ On the first validation batch of each validation run, per layer and head:
 - ``gate/mean_distance_l{i}``: mean chunks back of the selected past chunks, whose
   histogram goes into the figure.
 
-Every layer is diagnosed with the model's chunk size and top-k, full-attention layers too:
-there it says what MoBA's router *would* select. The figure is written to
+Every layer is gated once, with the model's own :class:`flexmoba.MobaSpec` (chunk size, top-k,
+granularity), full-attention layers too: there it says what MoBA's router *would* select. The figure is written to
 ``<run>/diagnostics/gate_step{step}.png`` (``<run>`` is the first logger's folder, else the
 trainer's ``default_root_dir``).
 
@@ -30,7 +30,7 @@ import lightning as L
 import numpy as np
 import torch
 
-from flexmoba.diagnostics import distance_histogram, gate_recall, selects_position
+from flexmoba.diagnostics import distance_histogram, selection_recall, selects_position
 from flexmoba.gate import select_chunks
 from flexmoba.layout import chunk_layout
 from flexmoba.model import GPT, capture_attention_inputs
@@ -105,17 +105,18 @@ def needle_hits(selection, needles: Needles) -> tuple[torch.Tensor, torch.Tensor
 
 
 @torch.no_grad()
+@torch.no_grad()
 def gate_stats(model: GPT, tokens: torch.Tensor, needles: Needles | None = None) -> list[LayerGateStats]:
-    """Diagnostics of every layer of ``model`` on ``tokens: [B, S]``."""
-    cfg = model.config
-    chunk, top_k = cfg.moba.chunk_size, cfg.moba.top_k
-    nontrivial = torch.arange(tokens.shape[1], device=tokens.device) >= chunk * top_k
-    layout = chunk_layout(*tokens.shape, chunk, tokens.device)  # one for all layers
+    """Diagnostics of every layer of ``model`` on ``tokens: [B, S]``: one gate call per layer, with the
+    model's own MoBA spec; recall, distances and needle hits all read that selection."""
+    spec = model.config.moba
+    nontrivial = torch.arange(tokens.shape[1], device=tokens.device) >= spec.chunk_size * spec.top_k
+    layout = chunk_layout(*tokens.shape, spec.chunk_size, tokens.device)  # one for all layers
     stats = []
     for kind, (q, k) in zip(model.layer_attention(), capture_queries_keys(model, tokens), strict=True):
-        recall = gate_recall(q, k, chunk_size=chunk, top_k=top_k)  # [B, H, S]
+        selection = select_chunks(q, k, spec, layout=layout)
+        recall = selection_recall(q, k, selection)  # [B, H, S]
         per_head = recall[..., nontrivial].mean(dim=(0, 2)) if nontrivial.any() else recall.mean(dim=(0, 2))
-        selection = select_chunks(q, k, chunk_size=chunk, top_k=top_k, layout=layout)
         stats.append(LayerGateStats(
             kind=kind,
             recall=per_head.cpu(),

@@ -36,10 +36,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from flexmoba.checkpoint import load_model, read_checkpoint
-from lit.cli import checks
-from lit.cli.errors import fail
-from lit.cli.options import parse_dataclass
+from lit.training import checks
+from lit.training.errors import UsageError
 from lit.training.metrics import IGNORE_INDEX
+from lit.training.options import parse_dataclass
 
 KEY_BYTES = np.frombuffer(string.ascii_uppercase.encode(), dtype=np.uint8)
 VALUE_BYTES = np.frombuffer(string.digits.encode(), dtype=np.uint8)
@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] in (["-h"], ["--help"]):
         argv = ["evaluate", "--help"]  # the only subcommand
     if not argv or argv[0] != "evaluate":
-        fail("retrieval: the subcommand is evaluate: flexmoba retrieval evaluate --ckpt PATH --out DIR")
+        raise UsageError("retrieval", "the subcommand is evaluate: flexmoba retrieval evaluate --ckpt PATH --out DIR")
     job = parse_dataclass(EvaluateJob, argv[1:], prog="flexmoba retrieval evaluate", description=__doc__)
     checkpoint = checks.checkpoint_file("--ckpt", job.ckpt)
     checks.output_folder("--out", job.out, job.overwrite)
@@ -422,9 +422,3 @@ def main(argv: list[str] | None = None) -> None:
     out = write_report(rows, job.out, title)
     print(markdown_table(rows, title))
     print(f"wrote {out}/retrieval.md, retrieval.png, retrieval.json; task {asdict(data.task)}")
-
-
-if __name__ == "__main__":
-    from lit.cli.main import main as flexmoba
-
-    flexmoba(["retrieval", *sys.argv[1:]])

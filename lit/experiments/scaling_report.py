@@ -31,11 +31,11 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from lit.cli.errors import fail
-from lit.cli.options import parse_dataclass
 from lit.experiments.scaling_law import PowerLaw, crossover, fit_power_law, t_975
 from lit.training import metric_names
+from lit.training.errors import UsageError
 from lit.training.metrics import bin_label
+from lit.training.options import parse_dataclass
 
 STAGE = "val"  # a sweep's result.json holds its runs' validation metrics
 WHOLE, TRAILING, BPB = metric_names.loss(STAGE), metric_names.trailing_loss(STAGE), metric_names.bits_per_byte(STAGE)
@@ -699,5 +699,5 @@ def main(argv: list[str] | None = None) -> None:
     try:
         report = write_report(Path(job.sweep_dir), job.bootstrap, job.report_dir)
     except ValueError as error:
-        fail(f"--sweep_dir: {error}")
+        raise UsageError("--sweep_dir", str(error)) from None
     print(f"report: {report}")

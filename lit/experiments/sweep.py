@@ -15,7 +15,7 @@ and, given the ``step_seconds`` measured on this machine, the estimated wall tim
 Under ``torchrun`` (one process per device, on one node or many) every run is one DDP job
 over all processes:
 
-    torchrun --nproc-per-node 2 -m lit.experiments.sweep configs/sweep/toy.yaml
+    torchrun --nproc-per-node 2 -m lit.cli.main sweep configs/sweep/toy.yaml
 
 Rank 0 alone decides which runs to start, resume or skip (every rank then follows its
 plan) and alone writes results and the report. ``batch_size`` is the global batch, split
@@ -35,9 +35,9 @@ import torch.distributed as dist
 import yaml
 
 from flexmoba.model import ModelConfig
-from lit.cli.errors import fail
-from lit.cli.options import OneLineArgumentParser
 from lit.experiments.scaling_law import pflops_days
+from lit.training.errors import UsageError
+from lit.training.options import OneLineArgumentParser
 
 RUN_OVERHEAD_SECONDS = 15.0  # starting Lightning, mapping the corpus, writing checkpoints: per run, in --plan
 # Gate diagnostics compute full attention's probabilities: measured 55 s per layer for one 32K sequence
@@ -337,7 +337,7 @@ class Processes:
     def from_env(cls) -> Processes:
         if "WORLD_SIZE" not in os.environ and int(os.environ.get("SLURM_NTASKS", 1)) > 1:
             raise RuntimeError("flexmoba sweep under srun with several tasks: start one torchrun per node "
-                               "instead (srun --ntasks-per-node 1 torchrun --nnodes ... -m lit.experiments.sweep ...), "
+                               "instead (srun --ntasks-per-node 1 torchrun --nnodes ... -m lit.cli.main sweep ...), "
                                "so that the "
                                "processes know their ranks and rank 0 alone plans and writes")
         world = int(os.environ.get("WORLD_SIZE", 1))
@@ -534,8 +534,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     processes = Processes.from_env()
     if args.report_only and not list(Path(spec.out_dir).glob("*/result.json")):
-        fail(f"--report_only: no finished runs in {spec.out_dir} (the sweep's out_dir) to report on; "
-             f"run the sweep first: flexmoba sweep {args.config}")
+        raise UsageError("--report_only", f"no finished runs in {spec.out_dir} (the sweep's out_dir) to report on",
+                         f"run the sweep first: flexmoba sweep {args.config}")
     if not args.report_only:
         run_sweep(spec, processes)
     if not processes.is_main:
@@ -550,17 +550,9 @@ def main(argv: list[str] | None = None) -> None:
 def read_spec(path: Path) -> SweepSpec:
     """The sweep YAML at ``path``; a missing file or a bad key is one line naming it."""
     if not path.is_file():
-        fail(f"config: {path} {'is a folder' if path.is_dir() else 'does not exist'}; give a sweep YAML, "
-             "e.g. configs/sweep/toy.yaml")
+        raise UsageError("config", f"{path} {'is a folder' if path.is_dir() else 'does not exist'}",
+                         "give a sweep YAML, e.g. configs/sweep/toy.yaml")
     try:
         return SweepSpec.from_yaml(path)
     except (ValueError, TypeError, yaml.YAMLError) as error:
-        fail(f"config: {error}")
-
-
-if __name__ == "__main__":
-    import sys
-
-    from lit.cli.main import main as flexmoba
-
-    flexmoba(["sweep", *sys.argv[1:]])
+        raise UsageError("config", str(error)) from None

@@ -1,6 +1,14 @@
-"""Errors of a training run (importable without Lightning)."""
+"""Errors of a run and of how it was asked for (importable without Lightning).
+
+Code at any floor below the command (training, experiments) raises these; it never prints or exits.
+The ``flexmoba`` command (:func:`lit.cli.errors.one_line_errors`) turns a :class:`UsageError` or a
+:class:`ConfigError` into one ``flexmoba: error: ...`` line and exit code 2, a
+:class:`TrainingDiverged` into one line and exit code 1.
+"""
 
 from __future__ import annotations
+
+import os
 
 
 class TrainingDiverged(RuntimeError):
@@ -13,3 +21,38 @@ class TrainingDiverged(RuntimeError):
         self.step, self.name, self.value = step, name, value
         shown = f"{name} = {value}" if value is not None else "non-finite on another process"
         super().__init__(f"training diverged at step {step}: {shown}")
+
+
+class UsageError(ValueError):
+    """A mistake in how a job was called: the option to change, what is wrong with it, what to do."""
+
+    def __init__(self, option: str, problem: str, fix: str = ""):
+        self.option, self.problem, self.fix = option, problem, fix
+        super().__init__(f"{option}: {problem}" + (f"; {fix}" if fix else ""))
+
+
+class BadArguments(UsageError):
+    """Arguments a job's parser refused, said as one line already (argparse's or jsonargparse's
+    message, with the option a mistyped one may mean)."""
+
+    def __init__(self, message: str):
+        ValueError.__init__(self, message)
+        self.option, self.problem, self.fix = "", message, ""
+
+
+class ConfigError(Exception):
+    """A ``flexmoba fit``-style config the launcher's parser refused (:mod:`lit.training.launch`).
+
+    ``message`` is the parser's own, as jsonargparse words it (nested, several lines) or a line naming
+    the option (the launcher's checks); ``options`` are every option the parser takes, for the nearest
+    one to a mistyped name. Not a ValueError: jsonargparse catches those while it parses.
+    """
+
+    def __init__(self, message: str, options: list[str]):
+        self.message, self.options = message, list(options)
+        super().__init__(message)
+
+
+def is_rank_zero() -> bool:
+    """Whether this process speaks for the run: rank 0 of a distributed launch, or the only process."""
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0))) == 0

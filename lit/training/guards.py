@@ -113,7 +113,7 @@ class DivergenceGuard(L.Callback):
         if step == NO_BAD_STEP:
             return
         if int(self.first.step) != step:
-            raise TrainingDiverged(step, "train/loss or grad norm", None)
+            raise TrainingDiverged(step, f"{metric_names.loss('train')} or grad norm", None)
         raise TrainingDiverged(step, WATCHED[int(self.first.what)], float(self.first.value))
 
 

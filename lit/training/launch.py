@@ -5,7 +5,9 @@ any LightningDataModule) and its :meth:`FlexMobaCLI.instantiate_trainer`: ``flex
 with the command line's arguments, ``flexmoba compare`` and ``flexmoba sweep`` with typed
 config dicts (:func:`fit_and_validate`). So every run gets the same checks at parse time,
 divergence guard, atomic checkpoints, run-folder rules, loggers and resume, and on CPU glibc's
-malloc thresholds fixed (:func:`flexmoba.host_memory.keep_freed_memory`).
+malloc thresholds fixed (:func:`flexmoba.host_memory.keep_freed_memory`). A config it refuses
+raises :class:`~lit.training.errors.ConfigError` or :class:`~lit.training.errors.UsageError`
+naming the option; the ``flexmoba`` command says either as one line, exit code 2 (:mod:`lit.cli.errors`).
 
 ``data`` defaults to :class:`ByteFilesData` (this Python's standard library as the corpus);
 another module is named by ``data.class_path`` (e.g. ``lit.experiments.retrieval.RetrievalData``,
@@ -26,7 +28,6 @@ import inspect
 import json
 import logging
 import os
-import re
 import warnings
 from pathlib import Path
 
@@ -38,11 +39,10 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from flexmoba.checkpoint import architecture_mismatch, checkpoint_config, checkpoint_tokenizer, read_checkpoint
 from flexmoba.host_memory import keep_freed_memory
 from flexmoba.model import ModelConfig
-from lit.cli import checks
-from lit.cli.errors import UsageError, fail, is_rank_zero
-from lit.cli.options import option_names, with_suggestion
+from lit.training import checks
 from lit.training import metric_names as names
 from lit.training.data import ByteFilesData, CorpusError
+from lit.training.errors import ConfigError, UsageError, is_rank_zero
 from lit.training.guards import (
     AtomicCheckpointIO,
     DivergenceGuard,
@@ -52,6 +52,7 @@ from lit.training.guards import (
 )
 from lit.training.metrics import position_windows, trailing_window
 from lit.training.module import LitLM
+from lit.training.options import option_names
 from lit.training.predictions import JsonlPredictionWriter
 from lit.training.progress import run_summary, say, with_own_display
 
@@ -74,42 +75,15 @@ def trainer_loggers(given, root: str, with_defaults: bool):
     return loggers or False
 
 
-PARSER_KEY = re.compile(r'^\s*(?:- )?Parser key "([^"]+)":\s*(.*)$')
-EXPECTED_TYPE = re.compile(r"^Expected a <class '(\w+)'>\. Got value: (.*)$")
-UNION_NOISE = ("Does not validate against", "Subtypes:", "Errors:", "- Problem with given class_path",
-               "- Expected a <class 'NoneType'>", "Given value")
-
-
-def one_line_error(message: str) -> str:
-    """jsonargparse's nested, multi-line message as ``--option: rule``.
-
-    The option is the path of the innermost ``Parser key`` (``init_args`` dropped); the rule
-    is the first line under it that is not about the ``X | None`` union around it.
-    """
-    keys, rule = [], None
-    for line in message.splitlines():
-        match = PARSER_KEY.match(line)
-        if match:
-            keys += [k for k in match.group(1).split(".") if k != "init_args"]
-            rule = match.group(2) or None
-        elif keys and rule is None and line.strip() and not line.strip().startswith(UNION_NOISE):
-            rule = line.strip()
-    if not keys:
-        return " ".join(line.strip() for line in message.splitlines() if line.strip())
-    expected = EXPECTED_TYPE.match(rule or "")
-    if expected:
-        rule = f"must be {expected.group(1)}, got {expected.group(2)!r}"
-    return f"--{'.'.join(keys)}: {rule}"
-
-
 # The training recipe's Trainer half (the optimizer and schedule are LitLM's defaults): every run, fit,
 # compare and sweep alike, starts from it; a config sets only its budget (steps, validation cadence).
 TRAINER_RECIPE = {"trainer.gradient_clip_val": 1.0, "trainer.log_every_n_steps": 10}
 
 
-class OneLineErrorParser(LightningArgumentParser):
-    """Errors are one line on stderr, ``flexmoba: error: --option: rule``, and exit code 2; options are
-    spelled out (an abbreviation such as ``--trainer.max_step`` is refused with the option it may mean)."""
+class LauncherParser(LightningArgumentParser):
+    """The launcher's parser: options spelled out (an abbreviation such as ``--trainer.max_step`` is refused);
+    a refused value raises :class:`ConfigError` with the parser's message and every option it takes, which
+    the ``flexmoba`` command says as one line naming the option (:mod:`lit.cli.errors`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **{**kwargs, "allow_abbrev": False})
@@ -117,7 +91,7 @@ class OneLineErrorParser(LightningArgumentParser):
     def error(self, message: str, ex: Exception | None = None):
         if not self.exit_on_error:
             super().error(message, ex)
-        fail(with_suggestion(one_line_error(message), self.option_names()))
+        raise ConfigError(message, self.option_names())
 
     def option_names(self) -> list[str]:
         """Every option this parser takes, the model config's and the default data module's included."""
@@ -127,17 +101,12 @@ class OneLineErrorParser(LightningArgumentParser):
 
 
 def model_config_problem(fields: dict) -> str | None:
-    """Why these ``ModelConfig`` fields cannot build a model, naming the option, or None."""
+    """Why these ``ModelConfig`` fields cannot build a model (``--model.config: `` and ModelConfig's own
+    words, which name the field), or None."""
     try:
         ModelConfig(**fields)
     except (TypeError, ValueError) as error:
-        # "ModelConfig.d_model=30 must be ..." or "MobaSpec.top_k must be ...": the option, then the rule
-        field = re.match(r"(ModelConfig|MobaSpec)\.(\w+)( |=)(.*)", str(error), re.DOTALL)
-        if not field:
-            return f"--model.config: {error}"
-        kind, name, separator, rule = field.groups()
-        option = ("--model.config." if kind == "ModelConfig" else "--model.config.moba.") + name
-        return f"{option}: {rule if separator == ' ' else name + '=' + rule}"
+        return f"--model.config: {error}"
     return None
 
 
@@ -454,7 +423,7 @@ def run_cli(args: list[str] | None = None) -> FlexMobaCLI:
             L.LightningDataModule,
             subclass_mode_data=True,
             args=args,
-            parser_class=OneLineErrorParser,
+            parser_class=LauncherParser,
             seed_everything_default=1337,
             save_config_kwargs={"overwrite": True},
             parser_kwargs={"description": "Train and evaluate MoBA / full-attention byte-level LMs (see configs/)."},
@@ -474,7 +443,7 @@ def fit_and_validate(config: dict, *, resume: bool = False,
     cli = run_cli({"fit": config})
     trainer = cli.trainer
     if limit_val_batches is None and names.loss("val") in trainer.callback_metrics:
-        return cli, {k: float(v) for k, v in trainer.callback_metrics.items() if not k.startswith("train/")}
+        return cli, {k: float(v) for k, v in trainer.callback_metrics.items() if not names.of_stage(k, "train")}
     if limit_val_batches is not None:
         trainer.limit_val_batches = limit_val_batches
     metrics = trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)[0]
@@ -487,7 +456,7 @@ class ConfigReader(FlexMobaCLI):
     def __init__(self, args: list[str], extra_arguments=None, defaults: dict | None = None, complete=None, **kwargs):
         self.extra_arguments, self.defaults, self.completion = extra_arguments, defaults or {}, complete
         super().__init__(LitLM, L.LightningDataModule, subclass_mode_data=True, args=args, run=False,
-                         parser_class=OneLineErrorParser, seed_everything_default=1337, **kwargs)
+                         parser_class=LauncherParser, seed_everything_default=1337, **kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:
         super().add_arguments_to_parser(parser)

@@ -1,4 +1,4 @@
-"""The names LitLM logs its metrics under: written here once, read by every report.
+"""The names LitLM and its callbacks log metrics under: written here once, read by every report.
 
 ``stage`` is ``"train"``, ``"val"`` or ``"test"``; position windows are ``[start, end)``
 target positions.
@@ -9,6 +9,12 @@ from __future__ import annotations
 import re
 
 POSITION_KEY = re.compile(r"^(\w+)/loss_pos_(\d+)_(\d+)$")
+
+# The model's size, logged once when a fit starts.
+PARAMS_NON_EMBEDDING = "params/non_embedding"
+PARAMS_TOTAL = "params/total"
+DENSE_FLOPS_PER_TOKEN = "flops/dense_per_token"
+ATTENTION_FLOPS_PER_TOKEN = "flops/attention_per_token"
 
 
 def loss(stage: str) -> str:
@@ -22,6 +28,31 @@ def perplexity(stage: str) -> str:
 
 def bits_per_byte(stage: str) -> str:
     return f"{stage}/bpb"
+
+
+def learning_rate(stage: str) -> str:
+    return f"{stage}/lr"
+
+
+def grad_norm(stage: str) -> str:
+    """Total gradient norm before clipping."""
+    return f"{stage}/grad_norm"
+
+
+def moba_layers(stage: str) -> str:
+    """How many layers run MoBA (a hybrid's count drops when it switches to full attention)."""
+    return f"{stage}/moba_layers"
+
+
+def throughput(stage: str, key: str) -> str:
+    """A :class:`lit.training.throughput.ModelFlopsThroughput` value (Lightning's ``key``, e.g. ``time``,
+    ``lengths``, ``device/mfu``), kept apart from the stage's own metrics."""
+    return f"throughput/{stage}/{key}"
+
+
+def of_stage(key: str, stage: str) -> bool:
+    """Whether ``key`` is one of ``stage``'s own metrics (``train/...``; a throughput key is not)."""
+    return key.startswith(f"{stage}/")
 
 
 def trailing_loss(stage: str) -> str:

@@ -117,8 +117,8 @@ class LitLM(L.LightningModule):
         self.log(names.loss("train"), group_sum(loss, cp), prog_bar=True, sync_dist=on_mesh)
         if cp is not None:
             loss = loss * cp.size  # FSDP2 averages the gradients over every rank, context-parallel ones too
-        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
-        self.log("train/moba_layers", float(self.model.layer_attention().count("moba")))
+        self.log(names.learning_rate("train"), self.trainer.optimizers[0].param_groups[0]["lr"])
+        self.log(names.moba_layers("train"), float(self.model.layer_attention().count("moba")))
         return loss
 
     def on_before_optimizer_step(self, optimizer) -> None:
@@ -126,7 +126,7 @@ class LitLM(L.LightningModule):
         computed once a step, shared with the divergence guard, never read here on the host."""
         norm = step_grad_norm(self)
         if norm is not None:
-            self.log("train/grad_norm", norm)
+            self.log(names.grad_norm("train"), norm)
 
     # -- throughput ---------------------------------------------------------------------
 
@@ -266,10 +266,10 @@ class LitLM(L.LightningModule):
     def on_fit_start(self) -> None:
         cfg = self.config
         flops = {
-            "params/non_embedding": float(self.model.num_parameters(non_embedding=True)),
-            "params/total": float(self.model.num_parameters(non_embedding=False)),
-            "flops/dense_per_token": float(cfg.dense_flops_per_token()),
-            "flops/attention_per_token": float(cfg.attention_flops_per_token(self.seq_len)),
+            names.PARAMS_NON_EMBEDDING: float(self.model.num_parameters(non_embedding=True)),
+            names.PARAMS_TOTAL: float(self.model.num_parameters(non_embedding=False)),
+            names.DENSE_FLOPS_PER_TOKEN: float(cfg.dense_flops_per_token()),
+            names.ATTENTION_FLOPS_PER_TOKEN: float(cfg.attention_flops_per_token(self.seq_len)),
         }
         for logger in self.loggers:
             logger.log_metrics(flops, step=0)

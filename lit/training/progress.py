@@ -8,6 +8,8 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelSummary, RichModelSummary, RichProgressBar
 from lightning.pytorch.utilities import rank_zero_only
 
+from lit.training import metric_names
+
 
 @rank_zero_only
 def say(message: str) -> None:
@@ -68,10 +70,11 @@ def run_summary(trainer: L.Trainer, subcommand: str, loaded: str | None) -> str:
     parts = [done + (f" (from {loaded})" if loaded else "")]
     stage = STAGE_OF.get(subcommand)
     if stage:
-        loss = trainer.callback_metrics.get(f"{stage}/loss")
+        key = metric_names.loss(stage)
+        loss = trainer.callback_metrics.get(key)
         batches = getattr(trainer, f"num_{stage}_batches", None) or [0]
         count = sum(batches)
-        parts.append(f"{stage}/loss {float(loss):.4f} ({count:g} batch{'es' * (count != 1)})" if loss is not None
+        parts.append(f"{key} {float(loss):.4f} ({count:g} batch{'es' * (count != 1)})" if loss is not None
                      else "no validation ran")
     callback = trainer.checkpoint_callback
     if subcommand == "fit":

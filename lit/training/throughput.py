@@ -33,7 +33,7 @@ from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-PREFIX = "throughput"
+from lit.training import metric_names
 
 
 def sequences_in(batch) -> int:
@@ -96,7 +96,7 @@ class ModelFlopsThroughput(ThroughputMonitor):
 
     def _log(self, trainer: L.Trainer, stage: RunningStage, iter_num: int | None = None) -> None:
         metrics = self._throughputs[stage].compute()
-        named = {f"{PREFIX}/{stage.value}/{key}": value for key, value in metrics.items()}
+        named = {metric_names.throughput(stage.value, key): value for key, value in metrics.items()}
         trainer._logger_connector.log_metrics(named, step=iter_num)
 
     def _compute(self, trainer: L.Trainer, iter_num: int | None = None) -> None:

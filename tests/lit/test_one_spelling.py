@@ -57,7 +57,7 @@ def test_every_readme_training_command_parses(command, monkeypatch):
     elif name == "compare":
         assert compare.parse(args)["seeds"] >= 1
     else:
-        monkeypatch.setattr("lit.cli.checks.available", lambda kind: True)  # a GPU sweep parses as on its machine
+        monkeypatch.setattr("lit.training.checks.available", lambda kind: True)  # a GPU sweep parses as on its machine
         spec = SweepSpec.from_yaml(args[0])
         assert base_config(spec) and spec.runs()
 
@@ -69,7 +69,7 @@ SWEEPS = sorted((REPO / "configs" / "sweep").glob("*.yaml"))
 def test_every_sweep_config_builds_its_runs_on_its_base_config(path, monkeypatch):
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(sys, "argv", ["flexmoba"])
-    monkeypatch.setattr("lit.cli.checks.available", lambda kind: True)  # gpu.yaml's runs, parsed as on a GPU machine
+    monkeypatch.setattr("lit.training.checks.available", lambda kind: True)  # gpu.yaml's runs, as on a GPU machine
     spec = SweepSpec.from_yaml(path)
     base = base_config(spec)
     for run in spec.runs():

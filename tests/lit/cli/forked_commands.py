@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[3]
 HEAVY_IMPORTS = ("lit.training.launch", "lit.experiments.compare", "lit.experiments.sweep",
                  "lit.experiments.retrieval", "lit.experiments.scaling_report", "lit.cli.generate",
-                 "lit.cli.export_hf", "lit.cli.lightning_cli", "benchmarks.attention", "transformers")
+                 "lit.cli.export_hf", "lit.cli.lightning_cli", "transformers")
 
 
 def exit_code(exit: SystemExit) -> int:
@@ -63,7 +63,6 @@ def run(argv: list[str], cwd: str) -> dict:
 
 
 def main() -> None:
-    sys.path.insert(0, str(REPO))  # benchmarks/ runs from the checkout
     import importlib
 
     for name in HEAVY_IMPORTS:

@@ -38,8 +38,15 @@ def commands_in(text: str) -> list[str]:
 
 
 def help_text(argv: list[str], capsys) -> str:
+    """The help page ``flexmoba *argv`` prints; a benchmark's from its module in this process (``flexmoba bench``
+    runs it as ``python -m benchmarks.NAME``, which prints the same page)."""
     with pytest.raises(SystemExit):
-        main(argv)
+        if argv[0] == "bench":
+            import importlib
+
+            importlib.import_module(f"benchmarks.{argv[1]}").main(argv[2:])
+        else:
+            main(argv)
     return capsys.readouterr().out
 
 
@@ -73,10 +80,10 @@ def parse(command: str, monkeypatch, capsys) -> None:
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(sys, "argv", ["flexmoba"])
     if name in LIGHTNING:
-        from lit.training.launch import run_cli
+        from lit.cli import lightning_cli
 
         with pytest.raises(SystemExit) as exit_info:
-            run_cli([name, *args, "--print_config"])
+            lightning_cli.main([name, *args, "--print_config"])
         assert exit_info.value.code in (0, None), capsys.readouterr().err
     elif name == "compare":
         from lit.experiments import compare
@@ -85,7 +92,7 @@ def parse(command: str, monkeypatch, capsys) -> None:
     elif name == "sweep":
         from lit.experiments.sweep import SweepSpec, base_config
 
-        monkeypatch.setattr("lit.cli.checks.available", lambda kind: True)  # a GPU sweep parses as on its machine
+        monkeypatch.setattr("lit.training.checks.available", lambda kind: True)  # a GPU sweep parses as on its machine
         spec = SweepSpec.from_yaml(next(a for a in args if not a.startswith("--")))
         assert set(args) - {"--plan", "--report_only"} == {next(a for a in args if not a.startswith("--"))}
         assert base_config(spec) and spec.runs()
@@ -101,11 +108,11 @@ def parse_job(name: str, args: list[str]) -> None:
     from lit.cli.export_hf import ExportJob
     from lit.cli.generate import GenerateJob
     from lit.cli.import_hf import ImportJob
-    from lit.cli.options import parse_dataclass
     from lit.experiments.context_eval import ContextEvalJob
     from lit.experiments.gap_closed import GapClosedJob
     from lit.experiments.retrieval import EvaluateJob
     from lit.experiments.scaling_report import ReportJob
+    from lit.training.options import parse_dataclass
 
     jobs = {"generate": GenerateJob, "export-hf": ExportJob, "scaling-report": ReportJob, "retrieval": EvaluateJob,
             "import-hf": ImportJob, "context-eval": ContextEvalJob, "gap-closed": GapClosedJob}
@@ -118,7 +125,7 @@ def parse_job(name: str, args: list[str]) -> None:
 def parse_benchmark(args: list[str], monkeypatch) -> None:
     import importlib
 
-    from lit.cli.options import OneLineArgumentParser
+    from benchmarks.common import OneLineArgumentParser
 
     def parse_then_stop(parser, *call_args, **kwargs):
         parsed = original(parser, *call_args, **kwargs)

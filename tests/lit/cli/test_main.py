@@ -40,9 +40,10 @@ def test_bare_command_lists_every_subcommand(capsys):
 
 
 @pytest.mark.parametrize("name", SUBCOMMANDS)
-def test_every_subcommand_has_help(name, capsys):
+def test_every_subcommand_has_help(name, capfd):
+    """(Read from the file descriptors: ``flexmoba bench NAME`` runs the benchmark in a child process.)"""
     argv = ["bench", "attention", "--help"] if name == "bench" else [name, "--help"]
-    code, out, err = run(capsys, *argv)
+    code, out, err = run(capfd, *argv)
     assert code == 0, err
     if name in LIGHTNING:  # LightningCLI names the program after the real argv[0]
         assert out.startswith("usage: ") and f"[options] {name}" in out and "--trainer" in out, out[:300]

@@ -19,8 +19,8 @@ pytest.importorskip("lightning")
 sys.path.insert(0, str(Path(__file__).parents[1] / "cli"))
 from flexmoba.checkpoint import load_model  # noqa: E402
 from lit.cli import import_hf  # noqa: E402
-from lit.cli.errors import UsageError  # noqa: E402
 from lit.experiments import context_eval  # noqa: E402
+from lit.training.errors import UsageError  # noqa: E402
 from lit.training.tokenizer import train_byte_level_bpe  # noqa: E402
 
 from tiny_llama import VOCAB, save_tiny_llama  # noqa: E402

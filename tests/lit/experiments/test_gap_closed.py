@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("lightning")
 
-from lit.cli.errors import UsageError  # noqa: E402
 from lit.experiments import gap_closed  # noqa: E402
+from lit.training.errors import UsageError  # noqa: E402
 
 
 def write_eval(folder: Path, losses: dict[str, dict[str, list[float]]]) -> Path:

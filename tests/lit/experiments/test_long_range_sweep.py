@@ -29,7 +29,8 @@ def planted(select) -> Selection:
     """A one-head selection of ``S`` queries whose past chunks are ``select(query) -> [c1, c2]``."""
     past = torch.tensor([select(t) for t in range(S)]).view(1, 1, S, 2)
     valid = past < torch.arange(S).view(1, 1, S, 1) // CHUNK  # only chunks before the query's own
-    return Selection(past.clamp(min=0) * valid, valid, chunk_layout(1, S, CHUNK, torch.device("cpu")))
+    return Selection(past.clamp(min=0) * valid, valid, chunk_layout(1, S, CHUNK, torch.device("cpu")),
+                     MobaSpec(chunk_size=CHUNK, top_k=TOP_K))
 
 
 def recall_rows(selection: Selection, skip: int = 0) -> list[dict]:

@@ -115,7 +115,7 @@ def test_tiny_retrieval_fit_then_evaluate(tmp_path, flexmoba):
     assert ckpt.exists()
     assert list(root.glob("csv/version_*/diagnostics/gate_step*.png"))
     out = tmp_path / "eval"
-    command = [sys.executable, "-m", "lit.experiments.retrieval", "evaluate", "--ckpt", str(ckpt), "--out", str(out)]
+    command = [sys.executable, "-m", "lit.cli.main", "retrieval", "evaluate", "--ckpt", str(ckpt), "--out", str(out)]
     proc = subprocess.run(command,
                           cwd=Path(__file__).resolve().parents[3], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -189,7 +189,7 @@ def tiny_spec(tmp_path: Path, corpus_cache: Path) -> Path:
 def test_killed_sweep_resumes_without_redoing_finished_runs(tmp_path, corpus_cache):
     config = tiny_spec(tmp_path, corpus_cache)
     sweep = tmp_path / "sweep"
-    command = [sys.executable, "-m", "lit.experiments.sweep", str(config)]
+    command = [sys.executable, "-m", "lit.cli.main", "sweep", str(config)]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -253,7 +253,7 @@ def test_two_process_sweep_writes_the_runs_of_a_one_process_sweep(tmp_path, corp
         spec["out_dir"] = str(tmp_path / f"sweep-{processes}")
         path = tmp_path / f"sweep-{processes}.yaml"
         path.write_text(yaml.safe_dump(spec))
-        command = [*launcher[processes], "-m", "lit.experiments.sweep", str(path)]
+        command = [*launcher[processes], "-m", "lit.cli.main", "sweep", str(path)]
         return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
     for processes in (1, 2):

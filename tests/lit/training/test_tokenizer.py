@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("tokenizers")
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 
+from lit.cli import lightning_cli  # noqa: E402
 from lit.training.data import CorpusError, default_root, list_files  # noqa: E402
 from lit.training.launch import read_config, run_cli  # noqa: E402
 from lit.training.tokenizer import TokenFilesData, token_dtype  # noqa: E402
@@ -124,7 +125,7 @@ def fit_args(code, root, cache, *extra):
 def one_line_error(args, capsys, monkeypatch) -> str:
     monkeypatch.setattr(sys, "argv", ["flexmoba"])
     with pytest.raises(SystemExit) as exit_info:
-        run_cli(args)
+        lightning_cli.main(args)
     stderr = capsys.readouterr().err
     assert exit_info.value.code == 2 and stderr.count("\n") == 1, stderr
     return stderr.rstrip("\n")

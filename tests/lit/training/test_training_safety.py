@@ -18,6 +18,9 @@ from conftest import flexmoba_command, read_metrics
 from flexmoba import MobaSpec
 from flexmoba.checkpoint import load_model, read_checkpoint
 from flexmoba.model import ModelConfig
+from lit.cli import lightning_cli
+from lit.cli.errors import config_line, one_line_error
+from lit.training.errors import ConfigError
 from lit.training.guards import (
     DivergenceGuard,
     SafeModelCheckpoint,
@@ -26,7 +29,7 @@ from lit.training.guards import (
     checkpoint_problem,
     newest_intact_checkpoint,
 )
-from lit.training.launch import one_line_error, run_cli
+from lit.training.launch import run_cli
 from lit.training.metrics import IGNORE_INDEX, WindowedLoss, position_windows
 from lit.training.module import LitLM
 
@@ -74,7 +77,7 @@ def test_bad_value_is_one_line_naming_the_option_and_exit_2(option, value, rule,
     monkeypatch.setattr(sys, "argv", ["flexmoba"])
     root = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
-        run_cli(["fit", *tiny_args(root, tmp_path / "cache"), option, value])
+        lightning_cli.main(["fit", *tiny_args(root, tmp_path / "cache"), option, value])
     assert exit_info.value.code == 2
     stderr = capsys.readouterr().err
     assert stderr.count("\n") == 1, stderr
@@ -90,10 +93,20 @@ TYPOS = [("--trainr.max_steps", "--trainer.max_steps"), ("--model.lrr", "--model
 def test_a_mistyped_option_suggests_the_nearest_one(typo, meant, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["flexmoba"])
     with pytest.raises(SystemExit) as exit_info:
-        run_cli(["fit", *tiny_args(tmp_path / "run", tmp_path / "cache"), typo, "3"])
+        lightning_cli.main(["fit", *tiny_args(tmp_path / "run", tmp_path / "cache"), typo, "3"])
     stderr = capsys.readouterr().err
     assert exit_info.value.code == 2 and stderr.count("\n") == 1, stderr
     assert stderr.rstrip().endswith(f"did you mean {meant}?"), stderr
+
+
+def test_the_launcher_raises_and_the_command_words_the_line(tmp_path, capsys, monkeypatch):
+    """Training prints nothing and exits nothing: its parser raises ConfigError, which the command says."""
+    monkeypatch.setattr(sys, "argv", ["flexmoba"])
+    with pytest.raises(ConfigError) as error:
+        run_cli(["fit", *tiny_args(tmp_path / "run", tmp_path / "cache"), "--model.config.moba.top_k", "0"])
+    assert capsys.readouterr().err == ""
+    assert error.value.message == "--model.config: MobaSpec.top_k must be >= 1, got 0"
+    assert config_line(error.value) == "--model.config.moba.top_k: must be >= 1, got 0"
 
 
 def test_bad_value_from_the_real_command_is_its_only_stderr_line(tmp_path):

@@ -1,9 +1,10 @@
-"""Command-line parsing shared by the ``flexmoba`` subcommands that are not LightningCLI.
+"""Argument parsing of the jobs that are not LightningCLI (the experiments, the command's own tools).
 
 Every option is a field of one dataclass, parsed by jsonargparse (``--name value``, nested
 dataclasses as ``--model.field value``, ``--config job.yaml``, ``--print_config``), or an option
-of a :class:`OneLineArgumentParser` (the sweep, the benchmarks). A bad value is one line on stderr
-naming the option, and exit code 2 (:mod:`lit.cli.errors`); options are spelled out (no abbreviations).
+of a :class:`OneLineArgumentParser` (the sweep). A bad value raises :class:`BadArguments`, one line
+naming the option, which the ``flexmoba`` command prints with exit code 2 (:mod:`lit.cli.errors`);
+options are spelled out (no abbreviations).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 from dataclasses import MISSING, fields, is_dataclass
 from typing import TypeVar, get_type_hints
 
-from lit.cli.errors import UsageError, fail
+from lit.training.errors import BadArguments, UsageError
 
 T = TypeVar("T")
 
@@ -65,7 +66,7 @@ def nearest_option(typo: str, options: list[str]) -> str | None:
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
-    """argparse with options spelled out and every error one ``flexmoba: error:`` line, exit code 2."""
+    """argparse with options spelled out; every error is one :class:`BadArguments` line (``--help`` still exits 0)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
@@ -73,7 +74,7 @@ class OneLineArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         options = [name for action in self._actions for name in action.option_strings]
-        fail(with_suggestion(message, options))
+        raise BadArguments(with_suggestion(message, options))
 
 
 def bare_value_hint(message: str, cls: type, argv: list[str]) -> str | None:
@@ -97,7 +98,7 @@ def to_dataclass(cls: type[T], namespace) -> T:
 
 
 def parse_dataclass(cls: type[T], argv: list[str] | None, *, prog: str, description: str = "") -> T:
-    """Parse ``argv`` into a ``cls`` instance; any error exits 2 with one line."""
+    """Parse ``argv`` into a ``cls`` instance; any error is one :class:`BadArguments` line."""
     from jsonargparse import ArgumentParser  # the train extra; flexmoba --version works without it
 
     parser = ArgumentParser(prog=prog, description=description, exit_on_error=False, allow_abbrev=False,
@@ -108,10 +109,11 @@ def parse_dataclass(cls: type[T], argv: list[str] | None, *, prog: str, descript
     try:
         namespace = parser.parse_args(argv)
     except argparse.ArgumentError as error:
-        fail(bare_value_hint(one_line(error), cls, argv) or with_suggestion(one_line(error), option_names(cls)))
+        message = bare_value_hint(one_line(error), cls, argv) or with_suggestion(one_line(error), option_names(cls))
+        raise BadArguments(message) from None
     try:
         return to_dataclass(cls, namespace)
     except UsageError:
         raise
     except (TypeError, ValueError) as error:
-        fail(one_line(error))
+        raise BadArguments(one_line(error)) from None

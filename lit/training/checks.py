@@ -1,5 +1,5 @@
-"""Checks every subcommand runs on what it is given before doing any work: checkpoints to read,
-folders to write, devices to run on. Each raises :class:`lit.cli.errors.UsageError` naming the option.
+"""Checks a job runs on what it is given before doing any work: checkpoints to read, folders to
+write, devices to run on. Each raises :class:`lit.training.errors.UsageError` naming the option.
 
 The one rule for outputs: nothing a subcommand wrote before is replaced unless ``--overwrite true`` says so.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import zipfile
 from pathlib import Path
 
-from lit.cli.errors import UsageError
+from lit.training.errors import UsageError
 
 
 def checkpoint_file(option: str, path: str | Path) -> dict:
