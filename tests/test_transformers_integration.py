@@ -422,6 +422,26 @@ def count_calls(monkeypatch, name: str) -> list:
     return calls
 
 
+def test_the_chunk_layout_is_built_once_per_forward_not_per_layer(monkeypatch):
+    """Three MoBA layers, left padding (documents: the layout reads its chunk count on the host): one
+    layout per forward, as the GPT builds it; the output is the same as building it per layer."""
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=128)
+    model = LlamaForCausalLM(config).eval()
+    model.set_attn_implementation("moba-sdpa")
+    ids = tokens()
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    with torch.no_grad(), monkeypatch.context() as each_layer:
+        each_layer.setattr(hf, "forward_layout", lambda *args: None)  # every layer's gate builds its own
+        per_layer = model(ids, attention_mask=mask).logits
+    built = count_calls(monkeypatch, "chunk_layout")
+    with torch.no_grad():
+        once = model(ids, attention_mask=mask).logits
+    assert len(built) == 1
+    torch.testing.assert_close(once, per_layer, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("attn", ["moba-sdpa", "moba-dense-decode"])
 def test_the_mask_is_analysed_once_per_forward_not_per_layer(attn, monkeypatch):
     """Three layers, one reading of the padding: at prefill and at every decoding step."""

@@ -64,6 +64,7 @@ from flexmoba import validation
 from flexmoba.attention import moba_attention
 from flexmoba.decode import attend_cached_keys, dense_causal_attention
 from flexmoba.kv_cache import ChunkKeySums
+from flexmoba.layout import ChunkLayout, chunk_layout
 from flexmoba.spec import MobaSpec
 
 __all__ = ["CONFIG_KEY", "MIN_TRANSFORMERS", "MobaSettings", "register"]
@@ -252,22 +253,20 @@ def make_attention_function(**defaults):
             raise ValueError(f"flexmoba: {q_len} queries but only {kv_len} keys; "
                              "queries must sit at the last key positions")
         if q_len == kv_len:
-            documents = forward_document_ids(attention_mask, kwargs.get("position_ids"), query.shape[0], q_len,
-                                             query.device)
-            out = prefill_attention(query, key, value, documents, settings, full, scaling)
+            position_ids = kwargs.get("position_ids")
+            documents = forward_document_ids(attention_mask, position_ids, query.shape[0], q_len, query.device)
+            if full:
+                out = full_causal_attention(query, key, value, documents, scaling)
+            else:
+                layout = forward_layout(attention_mask, position_ids, documents, query.shape[0], q_len,
+                                        settings.chunk_size, query.device)
+                out = moba_attention(query, key, value, settings.spec, scale=scaling, document_ids=documents,
+                                     layout=layout)
         else:
             out = cached_attention(module, query, key, value, attention_mask, settings, full, scaling)
         return out.transpose(1, 2).contiguous(), None
 
     return flexmoba_attention_forward
-
-
-def prefill_attention(query, key, value, documents, settings: MobaSettings, full: bool, scaling):
-    """MoBA (or full causal attention in a full layer) within each document -> ``[B, H, S, D]``."""
-    if full:
-        return full_causal_attention(query, key, value, documents, scaling)
-    return moba_attention(query, key, value, settings.spec, scale=scaling,
-                          document_ids=documents)
 
 
 def full_causal_attention(query, key, value, documents: torch.Tensor | None, scaling) -> torch.Tensor:
@@ -321,6 +320,15 @@ def forward_document_ids(attention_mask, position_ids, batch: int, seq_len: int,
     holder = attention_mask if attention_mask is not None else position_ids
     return once_per_forward(holder, ("prefill", batch, seq_len, device),
                             lambda: prefill_document_ids(attention_mask, position_ids, batch, seq_len, device))
+
+
+def forward_layout(attention_mask, position_ids, documents: torch.Tensor | None, batch: int, seq_len: int,
+                   chunk_size: int, device) -> ChunkLayout:
+    """The chunk layout of a prefill's ``documents: [B, S]`` (or None), once per model forward, as
+    :class:`flexmoba.model.GPT` builds it: with documents, building it reads the chunk count on the host."""
+    holder = attention_mask if attention_mask is not None else position_ids
+    return once_per_forward(holder, ("layout", batch, seq_len, chunk_size, device),
+                            lambda: chunk_layout(batch, seq_len, chunk_size, device, documents))
 
 
 def cached_key_padding(attention_mask, batch: int, q_len: int, kv_len: int, device):
