@@ -46,7 +46,6 @@ from benchmarks.common import (
     BLOCK,
     DEFAULT_OUT,
     OneLineArgumentParser,
-    attended_pairs,
     block_density,
     capture_qkv,
     causal_block_mask,
@@ -65,6 +64,7 @@ from flexmoba import compiled_flex_attention, moba_attention, select_chunks, sel
 from flexmoba.flex_plan import plan_from_selection
 from flexmoba.gather import gather_plan
 from flexmoba.masks import dense_moba_mask
+from flexmoba.pair_counts import selection_pairs
 
 METHODS = ("sdpa_causal", "full_flex_causal", "moba_flex", "moba_flex_union", "moba_flex_tile", "moba_sdpa",
            "moba_gather")
@@ -126,7 +126,7 @@ class Runner:
 def flop_ideal(selection, seq_len: int) -> float:
     """Causal (query, key) pairs / pairs the selection attends, over all batches and heads."""
     B, H = selection.past_chunks.shape[:2]
-    return B * H * seq_len * (seq_len + 1) / 2 / attended_pairs(selection)
+    return B * H * seq_len * (seq_len + 1) / 2 / selection_pairs(selection)
 
 
 @torch.no_grad()
@@ -267,7 +267,7 @@ def measure(case: Case, args, want_backward: bool) -> dict:
     if runner.block_mask is not None and case.method != "moba_flex":
         row["block_density"] = block_density(runner.block_mask, case.q.shape[2])
     if runner.visited is not None and runner.selection is not None:
-        row["visited_ratio"] = runner.visited / attended_pairs(runner.selection)
+        row["visited_ratio"] = runner.visited / selection_pairs(runner.selection)
     if runner.selection is not None:
         row["flop_ideal"] = flop_ideal(runner.selection, case.q.shape[2])
     if want_backward and runner.backward_ok:

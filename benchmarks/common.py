@@ -27,7 +27,6 @@ from typing import NoReturn
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmoba.block_mask import key_intervals
 from flexmoba.checkpoint import load_model
 from flexmoba.host_memory import MMAP_THRESHOLD, TRIM_THRESHOLD, set_malloc_thresholds
 from flexmoba.model import GPT, capture_attention_inputs
@@ -49,17 +48,6 @@ def fail(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def nearest_option(typo: str, options: list[str]) -> str | None:
-    """The option ``typo`` most likely means: the closest whole name, else the closest last part."""
-    options = [name for name in options if name not in ("--help", "-h")]
-    close = difflib.get_close_matches(typo, options, n=1)
-    if close:
-        return close[0]
-    last_parts = {name.rsplit(".", 1)[-1].lstrip("-"): name for name in options}
-    close = difflib.get_close_matches(typo.rsplit(".", 1)[-1].lstrip("-"), last_parts, n=1)
-    return last_parts[close[0]] if close else None
-
-
 class OneLineArgumentParser(argparse.ArgumentParser):
     """argparse with options spelled out and every error one ``flexmoba: error:`` line (with the option a
     mistyped one may mean), exit code 2. Its program is ``flexmoba bench`` unless given a ``prog``."""
@@ -71,9 +59,9 @@ class OneLineArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         unknown = re.search(r"unrecognized arguments: (--[\w.]+)", message)
-        options = [name for action in self._actions for name in action.option_strings]
-        close = nearest_option(unknown[1], options) if unknown else None
-        fail(f"{message}; did you mean {close}?" if close else message)
+        options = [name for action in self._actions for name in action.option_strings if name not in ("-h", "--help")]
+        close = difflib.get_close_matches(unknown[1], options, n=1) if unknown else []
+        fail(f"{message}; did you mean {close[0]}?" if close else message)
 
 
 # -- timing and memory -------------------------------------------------------------------
@@ -258,12 +246,6 @@ def block_density(block_mask: BlockMask, seq_len: int) -> float:
     n = -(-seq_len // block_mask.BLOCK_SIZE[0])
     causal_blocks = n * (n + 1) / 2 * block_mask.kv_num_blocks.shape[0] * block_mask.kv_num_blocks.shape[1]
     return float(visited / causal_blocks)
-
-
-def attended_pairs(selection) -> int:
-    """(query, key) pairs a MoBA selection attends, over all batches and heads."""
-    starts, ends = key_intervals(selection)
-    return int((ends - starts).clamp(min=0).sum())
 
 
 # -- inputs from a trained checkpoint ----------------------------------------------------

@@ -25,7 +25,6 @@ from benchmarks.common import (
     BLOCK,
     DEFAULT_OUT,
     OneLineArgumentParser,
-    attended_pairs,
     capture_qkv,
     finish_report,
     load_checkpoint_model,
@@ -33,6 +32,7 @@ from benchmarks.common import (
 )
 from flexmoba import select_chunks, selection_block_mask
 from flexmoba.flex_plan import plan_from_selection
+from flexmoba.pair_counts import selection_pairs
 
 COLUMNS = [
     ("inputs", "inputs"), ("layer", "layer"), ("seq_len", "S"), ("config", "chunk/top-k"), ("tile", "query tile"),
@@ -45,7 +45,7 @@ COLUMNS = [
 def layer_rows(q, k, chunk_size: int, top_k: int, tiles: list[int]) -> list[dict]:
     B, H, S, _ = q.shape
     selection = select_chunks(q, k, chunk_size=chunk_size, top_k=top_k)
-    attended = attended_pairs(selection)
+    attended = selection_pairs(selection)
     plan = plan_from_selection(selection, k.shape[1], block_size=BLOCK)
     rows = []
     for tile in tiles:

@@ -31,9 +31,10 @@ from torch.nn.attention.flex_attention import create_block_mask
 from flexmoba import validation
 from flexmoba.backends import get_context_parallel_backend, resolve_context_parallel_backend
 from flexmoba.compiled_flex import active_flex_attention, custom_flex_attention
-from flexmoba.gate import Selection, select_local_chunks
+from flexmoba.gate import select_local_chunks
 from flexmoba.gather import dense_attention, dense_attention_backward
 from flexmoba.layout import document_starts
+from flexmoba.pair_counts import selection_pairs
 from flexmoba.spec import MobaSpec, takes_settings
 
 __all__ = [
@@ -280,16 +281,6 @@ def context_parallel_full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.T
 
 
 # -- load balance ------------------------------------------------------------------------
-
-
-def selection_pairs(selection: Selection, query_start: int = 0) -> int:
-    """(Query, key) pairs a selection attends: its own chunk up to the query, ``chunk_size``
-    keys per selected past chunk, summed over batch, heads and queries."""
-    layout = selection.layout
-    S = layout.doc_start.shape[1]
-    t = query_start + torch.arange(S, device=layout.doc_start.device)
-    own = (t - layout.chunk_start + 1).sum() * selection.past_chunks.shape[1]
-    return int(own) + int(selection.past_valid.sum()) * layout.chunk_size
 
 
 def attended_pairs_per_rank(q: torch.Tensor, k: torch.Tensor, spec: MobaSpec, size: int,

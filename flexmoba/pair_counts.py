@@ -4,14 +4,21 @@ Full causal attention: query t attends ``t + 1`` keys. MoBA: its own chunk causa
 ``min(top_k - 1, t // chunk_size)`` whole past chunks. The counts are O(1) to compute, so
 the FLOP accounting (``4 H D`` FLOPs per pair, :meth:`flexmoba.model.ModelConfig.flops_per_token`)
 and the flex plan's static sizes (:func:`flexmoba.flex_plan.virtual_lengths`) can ask for
-them on every batch.
+them on every batch. :func:`selection_pairs` counts the pairs of a selection already made.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import torch
+
 from flexmoba import validation
 
-__all__ = ["keys_attended_full", "keys_attended_moba", "own_chunk_pairs", "past_chunk_slots"]
+if TYPE_CHECKING:
+    from flexmoba.gate import Selection
+
+__all__ = ["keys_attended_full", "keys_attended_moba", "own_chunk_pairs", "past_chunk_slots", "selection_pairs"]
 
 
 def keys_attended_full(seq_len: int) -> int:
@@ -42,3 +49,13 @@ def past_chunk_slots(seq_len: int, chunk_size: int, top_k: int) -> int:
 def keys_attended_moba(seq_len: int, chunk_size: int, top_k: int) -> int:
     """Query-key pairs MoBA attends over one sequence (selected chunks, own chunk causal)."""
     return own_chunk_pairs(seq_len, chunk_size) + chunk_size * past_chunk_slots(seq_len, chunk_size, top_k)
+
+
+def selection_pairs(selection: Selection, query_start: int = 0) -> int:
+    """(Query, key) pairs a selection attends: its own chunk up to the query, ``chunk_size``
+    keys per selected past chunk, summed over batch, heads and queries."""
+    layout = selection.layout
+    S = layout.doc_start.shape[1]
+    t = query_start + torch.arange(S, device=layout.doc_start.device)
+    own = (t - layout.chunk_start + 1).sum() * selection.past_chunks.shape[1]
+    return int(own) + int(selection.past_valid.sum()) * layout.chunk_size

@@ -4,9 +4,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flexmoba.pair_counts import keys_attended_full, keys_attended_moba, past_chunk_slots
+from flexmoba import select_chunks
+from flexmoba.pair_counts import keys_attended_full, keys_attended_moba, past_chunk_slots, selection_pairs
 
-from strategies import more_examples
+import oracle
+from strategies import more_examples, problems
 
 
 def moba_pairs_by_query(seq_len: int, chunk_size: int, top_k: int) -> tuple[int, int]:
@@ -50,3 +52,9 @@ def test_enough_chunks_is_full_attention():
 def test_bad_sizes_name_the_parameter(name, args):
     with pytest.raises(ValueError, match=name):
         past_chunk_slots(*args)
+
+
+@given(problems())
+def test_a_selections_pairs_are_its_dense_masks_count(problem):
+    selection = select_chunks(problem.q, problem.k, **problem.kwargs)
+    assert selection_pairs(selection) == int(oracle.dense_mask(problem.q, problem.k, **problem.kwargs).sum())

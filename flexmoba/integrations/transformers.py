@@ -7,6 +7,18 @@
     # or: AutoModelForCausalLM.from_pretrained(path, attn_implementation="flexmoba")
     # or, on a loaded model: model.set_attn_implementation("flexmoba")
 
+    from flexmoba.integrations.transformers import from_pretrained
+    model = from_pretrained(path)  # registers "flexmoba" first if nothing has (AutoModelForCausalLM)
+
+Register before loading. transformers checks ``attn_implementation`` against its own table
+before any flexmoba code runs, so ``attn_implementation="flexmoba"`` before :func:`register`
+fails with transformers' generic ``ValueError`` (``Specified `attn_implementation="flexmoba"`
+is not supported. The only possible arguments are ...``), which cannot name ``register()``
+unless flexmoba changed transformers at import; it does not (importing flexmoba changes no
+global state). Call :func:`register` first, or load through :func:`from_pretrained` /
+:func:`from_config`, which register ``"flexmoba"`` when nothing has and, for another name
+that is not registered, raise a ``ValueError`` saying to call ``register(name)``.
+
 Any model whose attention modules call ``ALL_ATTENTION_FUNCTIONS`` (Llama, Mistral,
 Qwen2/3, Gemma, ... in transformers >= 4.48) then runs MoBA in every causal layer:
 
@@ -64,9 +76,11 @@ from flexmoba import validation
 from flexmoba.attention import moba_attention
 from flexmoba.decode import attend_cached_keys, dense_causal_attention
 from flexmoba.kv_cache import ChunkKeySums
+from flexmoba.layout import ChunkLayout, chunk_layout
 from flexmoba.spec import MobaSpec
 
-__all__ = ["CONFIG_KEY", "MIN_TRANSFORMERS", "MobaSettings", "register"]
+__all__ = ["CONFIG_KEY", "MIN_TRANSFORMERS", "MobaSettings", "from_config", "from_pretrained", "is_registered",
+           "register"]
 
 MIN_TRANSFORMERS = "4.48"  # first release with transformers.AttentionInterface
 CONFIG_KEY = "moba"  # the model config's attribute holding its MoBA settings
@@ -166,6 +180,48 @@ def register(name: str = "flexmoba", **defaults) -> str:
     return name
 
 
+def is_registered(name: str = "flexmoba") -> bool:
+    """Whether ``attn_implementation=name`` is registered with transformers (by :func:`register` or otherwise)."""
+    check_transformers_version()
+    from transformers import AttentionInterface
+
+    return name in AttentionInterface()  # the registry every model reads (class-wide)
+
+
+def unregistered_error(name: str) -> ValueError:
+    return ValueError(f"flexmoba: attn_implementation={name!r} is not registered with transformers; call "
+                      f"flexmoba.integrations.transformers.register({name!r}, ...) before loading the model")
+
+
+def ensure_registered(name: str) -> None:
+    """``"flexmoba"`` registered with no defaults (settings from each model's ``config.moba``) if nothing
+    registered it; any other name must be registered already (its defaults are the caller's choice)."""
+    if is_registered(name):
+        return
+    if name != "flexmoba":
+        raise unregistered_error(name)
+    register(name)
+
+
+def from_pretrained(pretrained, *args, attn_implementation: str = "flexmoba", auto_class=None, **kwargs):
+    """``auto_class.from_pretrained(pretrained, *args, attn_implementation=..., **kwargs)`` (default class:
+    ``AutoModelForCausalLM``) with MoBA registered first: ``"flexmoba"`` is registered if nothing has (its
+    settings from the model's ``config.moba``, as :func:`flexmoba.integrations.export` writes them); another
+    name that is not registered is a ``ValueError`` saying to call :func:`register` with it."""
+    ensure_registered(attn_implementation)
+    if auto_class is None:
+        from transformers import AutoModelForCausalLM as auto_class
+    return auto_class.from_pretrained(pretrained, *args, attn_implementation=attn_implementation, **kwargs)
+
+
+def from_config(config, *args, attn_implementation: str = "flexmoba", auto_class=None, **kwargs):
+    """``auto_class.from_config(config, ...)`` with MoBA registered first, as :func:`from_pretrained`."""
+    ensure_registered(attn_implementation)
+    if auto_class is None:
+        from transformers import AutoModelForCausalLM as auto_class
+    return auto_class.from_config(config, *args, attn_implementation=attn_implementation, **kwargs)
+
+
 def settings_of(config, defaults: MobaSettings) -> MobaSettings:
     """``defaults`` overridden by ``config.moba`` (a dict of :class:`MobaSettings` fields), complete."""
     model_settings = getattr(config, CONFIG_KEY, None)
@@ -252,22 +308,20 @@ def make_attention_function(**defaults):
             raise ValueError(f"flexmoba: {q_len} queries but only {kv_len} keys; "
                              "queries must sit at the last key positions")
         if q_len == kv_len:
-            documents = forward_document_ids(attention_mask, kwargs.get("position_ids"), query.shape[0], q_len,
-                                             query.device)
-            out = prefill_attention(query, key, value, documents, settings, full, scaling)
+            position_ids = kwargs.get("position_ids")
+            documents = forward_document_ids(attention_mask, position_ids, query.shape[0], q_len, query.device)
+            if full:
+                out = full_causal_attention(query, key, value, documents, scaling)
+            else:
+                layout = forward_layout(attention_mask, position_ids, documents, query.shape[0], q_len,
+                                        settings.chunk_size, query.device)
+                out = moba_attention(query, key, value, settings.spec, scale=scaling, document_ids=documents,
+                                     layout=layout)
         else:
             out = cached_attention(module, query, key, value, attention_mask, settings, full, scaling)
         return out.transpose(1, 2).contiguous(), None
 
     return flexmoba_attention_forward
-
-
-def prefill_attention(query, key, value, documents, settings: MobaSettings, full: bool, scaling):
-    """MoBA (or full causal attention in a full layer) within each document -> ``[B, H, S, D]``."""
-    if full:
-        return full_causal_attention(query, key, value, documents, scaling)
-    return moba_attention(query, key, value, settings.spec, scale=scaling,
-                          document_ids=documents)
 
 
 def full_causal_attention(query, key, value, documents: torch.Tensor | None, scaling) -> torch.Tensor:
@@ -321,6 +375,15 @@ def forward_document_ids(attention_mask, position_ids, batch: int, seq_len: int,
     holder = attention_mask if attention_mask is not None else position_ids
     return once_per_forward(holder, ("prefill", batch, seq_len, device),
                             lambda: prefill_document_ids(attention_mask, position_ids, batch, seq_len, device))
+
+
+def forward_layout(attention_mask, position_ids, documents: torch.Tensor | None, batch: int, seq_len: int,
+                   chunk_size: int, device) -> ChunkLayout:
+    """The chunk layout of a prefill's ``documents: [B, S]`` (or None), once per model forward, as
+    :class:`flexmoba.model.GPT` builds it: with documents, building it reads the chunk count on the host."""
+    holder = attention_mask if attention_mask is not None else position_ids
+    return once_per_forward(holder, ("layout", batch, seq_len, chunk_size, device),
+                            lambda: chunk_layout(batch, seq_len, chunk_size, device, documents))
 
 
 def cached_key_padding(attention_mask, batch: int, q_len: int, kv_len: int, device):
