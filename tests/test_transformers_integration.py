@@ -504,3 +504,43 @@ def test_flex_backend_trains_like_gather_through_the_adapter(kv_heads):
     torch.testing.assert_close(got_loss, want_loss, **TOL)
     for name, grad in want.items():
         torch.testing.assert_close(got[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+LOAD_BEFORE_REGISTER = """
+import sys
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+folder = sys.argv[1]
+config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=128, max_position_embeddings=128)
+config.moba = {"chunk_size": 8, "top_k": 2, "backend": "sdpa"}
+LlamaForCausalLM(config).save_pretrained(folder)
+try:  # transformers' own check, before any flexmoba code runs: its generic list (documented in the module)
+    AutoModelForCausalLM.from_pretrained(folder, attn_implementation="flexmoba")
+except ValueError as error:
+    print("transformers:", str(error).splitlines()[0])
+from flexmoba.integrations import transformers as hf
+
+print("registered before:", hf.is_registered())
+model = hf.from_pretrained(folder).eval()  # our entry point registers "flexmoba" first
+print("loaded:", model.config._attn_implementation, hf.is_registered())
+print("finite:", bool(torch.isfinite(model(torch.arange(40)[None]).logits).all()))
+try:
+    hf.from_config(config, attn_implementation="moba-wide")
+except ValueError as error:
+    print("ours:", error)
+"""
+
+
+def test_loading_before_register_is_the_entry_points_job_and_says_to_register(tmp_path):
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", LOAD_BEFORE_REGISTER, str(tmp_path / "llama")], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith('transformers: Specified `attn_implementation="flexmoba"` is not supported'), lines
+    assert lines[1:4] == ["registered before: False", "loaded: flexmoba True", "finite: True"], lines
+    assert lines[4] == ("ours: flexmoba: attn_implementation='moba-wide' is not registered with transformers; call "
+                        "flexmoba.integrations.transformers.register('moba-wide', ...) before loading the model"), lines

@@ -7,6 +7,18 @@
     # or: AutoModelForCausalLM.from_pretrained(path, attn_implementation="flexmoba")
     # or, on a loaded model: model.set_attn_implementation("flexmoba")
 
+    from flexmoba.integrations.transformers import from_pretrained
+    model = from_pretrained(path)  # registers "flexmoba" first if nothing has (AutoModelForCausalLM)
+
+Register before loading. transformers checks ``attn_implementation`` against its own table
+before any flexmoba code runs, so ``attn_implementation="flexmoba"`` before :func:`register`
+fails with transformers' generic ``ValueError`` (``Specified `attn_implementation="flexmoba"`
+is not supported. The only possible arguments are ...``), which cannot name ``register()``
+unless flexmoba changed transformers at import; it does not (importing flexmoba changes no
+global state). Call :func:`register` first, or load through :func:`from_pretrained` /
+:func:`from_config`, which register ``"flexmoba"`` when nothing has and, for another name
+that is not registered, raise a ``ValueError`` saying to call ``register(name)``.
+
 Any model whose attention modules call ``ALL_ATTENTION_FUNCTIONS`` (Llama, Mistral,
 Qwen2/3, Gemma, ... in transformers >= 4.48) then runs MoBA in every causal layer:
 
@@ -67,7 +79,8 @@ from flexmoba.kv_cache import ChunkKeySums
 from flexmoba.layout import ChunkLayout, chunk_layout
 from flexmoba.spec import MobaSpec
 
-__all__ = ["CONFIG_KEY", "MIN_TRANSFORMERS", "MobaSettings", "register"]
+__all__ = ["CONFIG_KEY", "MIN_TRANSFORMERS", "MobaSettings", "from_config", "from_pretrained", "is_registered",
+           "register"]
 
 MIN_TRANSFORMERS = "4.48"  # first release with transformers.AttentionInterface
 CONFIG_KEY = "moba"  # the model config's attribute holding its MoBA settings
@@ -165,6 +178,48 @@ def register(name: str = "flexmoba", **defaults) -> str:
         return name
     AttentionMaskInterface.register(name, padding_mask)
     return name
+
+
+def is_registered(name: str = "flexmoba") -> bool:
+    """Whether ``attn_implementation=name`` is registered with transformers (by :func:`register` or otherwise)."""
+    check_transformers_version()
+    from transformers import AttentionInterface
+
+    return name in AttentionInterface()  # the registry every model reads (class-wide)
+
+
+def unregistered_error(name: str) -> ValueError:
+    return ValueError(f"flexmoba: attn_implementation={name!r} is not registered with transformers; call "
+                      f"flexmoba.integrations.transformers.register({name!r}, ...) before loading the model")
+
+
+def ensure_registered(name: str) -> None:
+    """``"flexmoba"`` registered with no defaults (settings from each model's ``config.moba``) if nothing
+    registered it; any other name must be registered already (its defaults are the caller's choice)."""
+    if is_registered(name):
+        return
+    if name != "flexmoba":
+        raise unregistered_error(name)
+    register(name)
+
+
+def from_pretrained(pretrained, *args, attn_implementation: str = "flexmoba", auto_class=None, **kwargs):
+    """``auto_class.from_pretrained(pretrained, *args, attn_implementation=..., **kwargs)`` (default class:
+    ``AutoModelForCausalLM``) with MoBA registered first: ``"flexmoba"`` is registered if nothing has (its
+    settings from the model's ``config.moba``, as :func:`flexmoba.integrations.export` writes them); another
+    name that is not registered is a ``ValueError`` saying to call :func:`register` with it."""
+    ensure_registered(attn_implementation)
+    if auto_class is None:
+        from transformers import AutoModelForCausalLM as auto_class
+    return auto_class.from_pretrained(pretrained, *args, attn_implementation=attn_implementation, **kwargs)
+
+
+def from_config(config, *args, attn_implementation: str = "flexmoba", auto_class=None, **kwargs):
+    """``auto_class.from_config(config, ...)`` with MoBA registered first, as :func:`from_pretrained`."""
+    ensure_registered(attn_implementation)
+    if auto_class is None:
+        from transformers import AutoModelForCausalLM as auto_class
+    return auto_class.from_config(config, *args, attn_implementation=attn_implementation, **kwargs)
 
 
 def settings_of(config, defaults: MobaSettings) -> MobaSettings:

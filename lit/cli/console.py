@@ -12,10 +12,11 @@ import re
 import warnings
 
 # Lightning's info lines that say nothing the run's last line does not: the accelerator banner, the
-# litlogger advertisement, the seed (it is in the saved config), the checkpoint loaded and why the fit stopped.
+# litlogger advertisement, the seed (it is in the saved config), the checkpoint loaded, why the fit stopped and
+# that Ctrl-C was seen (the command's own line says where the run stopped and how to resume it).
 BANNERS = re.compile(r"(GPU|TPU|HPU) available:|💡 Tip:|Seed set to \d+|Restoring states from the checkpoint|"
                      r"Loaded model weights from the checkpoint|`Trainer.fit` stopped:|"
-                     r"`Trainer\(\w+=.*\)` was configured so")
+                     r"`Trainer\(\w+=.*\)` was configured so|Detected KeyboardInterrupt, attempting graceful shutdown")
 BANNER_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
                   "lightning.fabric.utilities.seed")
 

@@ -5,17 +5,19 @@ machine lacks, output that would be overwritten) is ``flexmoba: error: --option:
 to do`` and exit code 2. Code below the command raises :class:`~lit.training.errors.UsageError` or,
 from the launcher's parser, :class:`~lit.training.errors.ConfigError` (jsonargparse's message, worded
 here as ``--option: rule``); the command's entry (:func:`one_line_errors`) turns either into that
-line. A diverged run is one line and exit code 1.
+line. A diverged run is one line and exit code 1. Ctrl-C is one line naming the step reached and the
+command that resumes the run, exit code 130.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
+import shlex
 import sys
 from typing import NoReturn
 
-from lit.training.errors import ConfigError, TrainingDiverged, UsageError, is_rank_zero
+from lit.training.errors import ConfigError, RunInterrupted, TrainingDiverged, UsageError, is_rank_zero
 from lit.training.options import with_suggestion
 
 PARSER_KEY = re.compile(r'^\s*(?:- )?Parser key "([^"]+)":\s*(.*)$')
@@ -73,10 +75,46 @@ def config_line(error: ConfigError) -> str:
     return with_suggestion(model_field_line(one_line_error(error.message)), error.options)
 
 
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a program Ctrl-C stopped
+
+
+def without_option(args: list[str], option: str) -> list[str]:
+    """``args`` without ``option VALUE`` and ``option=VALUE``."""
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == option:
+            skip = True
+        elif not arg.startswith(option + "="):
+            kept.append(arg)
+    return kept
+
+
+def interrupted_line(error: RunInterrupted | None, command: list[str]) -> str:
+    """``interrupted at step 37 (resumes from step 36); resume with: flexmoba fit ... --ckpt_path last``.
+
+    ``command`` is the command as run (``["flexmoba", "fit", ...]``); a fit resumes with ``--ckpt_path last``
+    in place of any ``--ckpt_path`` it had, compare and sweep with the same command (they resume their runs).
+    """
+    if error is None:
+        return f"interrupted; run it again with: {shlex.join(command)}"
+    at = f"interrupted at step {error.step}" if error.step is not None else "interrupted"
+    where = f" of {error.run_dir}" if error.run_dir and command[1:2] != ["fit"] else ""
+    if not error.resumable:
+        return f"{at}{where}, before its first checkpoint; start again with: {shlex.join(command)}"
+    if command[1:2] == ["fit"]:
+        command = [*without_option(command, "--ckpt_path"), "--ckpt_path", "last"]
+    newest = f"step {error.saved_step}" if error.saved_step is not None else "its newest checkpoint"
+    return f"{at}{where} (resumes from {newest}); resume with: {shlex.join(command)}"
+
+
 @contextlib.contextmanager
-def one_line_errors():
+def one_line_errors(command: list[str] | None = None):
     """A :class:`UsageError` or :class:`ConfigError` ends the command with exit code 2, a diverged run with
-    exit code 1, each as one ``flexmoba: error: ...`` line (every process stops; rank 0 says why)."""
+    exit code 1, each as one ``flexmoba: error: ...`` line (every process stops; rank 0 says why); Ctrl-C
+    with one ``flexmoba: interrupted ...`` line saying how to resume ``command`` (default: ``flexmoba`` and
+    this process's arguments), exit code 130."""
     try:
         yield
     except UsageError as error:
@@ -87,3 +125,9 @@ def one_line_errors():
         if is_rank_zero():
             sys.stderr.write(f"flexmoba: error: {diverged}\n")
         raise SystemExit(1) from None
+    except (RunInterrupted, KeyboardInterrupt) as stop:
+        said = stop if isinstance(stop, RunInterrupted) else None
+        if is_rank_zero():
+            sys.stderr.write(f"flexmoba: {interrupted_line(said, command or ['flexmoba', *sys.argv[1:]])}\n")
+            sys.stderr.flush()
+        raise SystemExit(INTERRUPTED) from None

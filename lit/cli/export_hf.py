@@ -9,8 +9,9 @@ Load it with MoBA, its logits equal to the flexmoba model's (fp32)::
 
     from transformers import AutoModelForCausalLM
     from flexmoba.integrations.transformers import register
-    register()
+    register()  # first: transformers refuses attn_implementation="flexmoba" before it
     model = AutoModelForCausalLM.from_pretrained("out/hf-moba", attn_implementation="flexmoba")
+    # or, registering it when nothing has: flexmoba.integrations.transformers.from_pretrained("out/hf-moba")
 
 A full-attention export also runs on any stock implementation (``"sdpa"``, ``"eager"``,
 ``"flash_attention_2"``). A model trained on tokens (``lit.training.tokenizer.TokenFilesData``)
@@ -114,7 +115,8 @@ def main(argv: list[str] | None = None) -> Path:
         out = export_checkpoint(checkpoint, job.out, job.max_position_embeddings, job.dtype, job.tokenizer)
     except TokenizerMismatch as error:
         fail(f"{'--tokenizer' if job.tokenizer else '--ckpt'}: {error}")
-    print(f"wrote a LlamaForCausalLM to {out} (load with attn_implementation='flexmoba' after "
+    print(f"wrote a LlamaForCausalLM to {out} (load it with flexmoba.integrations.transformers.from_pretrained"
+          f"({str(out)!r}), or with attn_implementation='flexmoba' after "
           "flexmoba.integrations.transformers.register())")
     return out
 

@@ -11,13 +11,15 @@ with one line and exit code 1, a mistake with one line and exit code 2 (:mod:`li
 
 from __future__ import annotations
 
+import sys
+
 from lit.cli.console import quiet_console
 from lit.cli.errors import one_line_errors
 
 
 def main(args: list[str] | None = None) -> None:
     """Run ``args`` (default: this process's command line) as ``flexmoba fit | validate | test | predict``."""
-    with quiet_console(), one_line_errors():
+    with quiet_console(), one_line_errors(["flexmoba", *(sys.argv[1:] if args is None else args)]):
         from lit.training.launch import run_cli
 
         run_cli(args)

@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         hint = f"; did you mean {close[0]}?" if close else "; flexmoba --help lists them"
         fail(f"unknown subcommand {name!r}{hint}")
     try:
-        with quiet_console(), one_line_errors():
+        with quiet_console(), one_line_errors(["flexmoba", name, *rest]):
             run_subcommand(name, rest)
     except ModuleNotFoundError as error:
         if error.name not in TRAIN_EXTRA:

@@ -37,6 +37,7 @@ from flexmoba.model import ModelConfig
 from lit.training import metric_names as names
 from lit.training.errors import UsageError
 from lit.training.launch import fit_and_validate, read_config
+from lit.training.progress import StartLines, moba_note, plural, say
 
 VARIANTS = ("moba", "full")
 PROG = "flexmoba compare"
@@ -158,6 +159,23 @@ def val_history(rows: list[dict[str, str]], max_steps: int) -> list[tuple[int, f
     return sorted((step, loss) for step, loss in history.items() if step <= max_steps)
 
 
+def fit_validation_counts(rows: list[dict[str, str]], max_steps: int) -> dict[str, int] | None:
+    """What the last validation during the fit read (batches, sequences, tokens: the points of val_loss.png),
+    or None when the logs hold no counts (a run of an earlier version)."""
+    keys = {what: names.eval_count("val", what) for what in names.EVAL_COUNTS}
+    during = [r for r in rows if all(r.get(key) for key in keys.values()) and int(r["step"]) + 1 <= max_steps]
+    return {what: int(float(during[-1][key])) for what, key in keys.items()} if during else None
+
+
+def split_counts(final: dict) -> tuple[dict, dict[str, int] | None]:
+    """The final metrics without the counts of what the validation read, and those counts."""
+    keys = {what: names.eval_count("val", what) for what in names.EVAL_COUNTS}
+    if not all(key in final for key in keys.values()):
+        return final, None
+    counts = {what: int(final[key]) for what, key in keys.items()}
+    return {k: v for k, v in final.items() if k not in keys.values()}, counts
+
+
 def throughput(rows: list[dict[str, str]]) -> tuple[float, int]:
     """Training seconds (validation excluded) and tokens, summed over the fit's sessions (a resumed
     run restarts the clock), from the throughput monitor's cumulative counters."""
@@ -168,8 +186,9 @@ def throughput(rows: list[dict[str, str]]) -> tuple[float, int]:
     return sum(t for t, _ in session_ends), sum(n for _, n in session_ends)
 
 
-def train_one(study: dict, attention: str, seed: int) -> dict:
-    """Fit (or resume) one run and validate it; its ``result.json`` marks it finished."""
+def train_one(study: dict, attention: str, seed: int, announce: bool = False) -> dict:
+    """Fit (or resume) one run and validate it; its ``result.json`` marks it finished. With ``announce``
+    the run says what data it reads when it starts (the study's first run to train does)."""
     folder = run_folder(study, attention, seed)
     done = folder / "result.json"
     if done.exists():
@@ -178,7 +197,9 @@ def train_one(study: dict, attention: str, seed: int) -> dict:
     resume = any((folder / "checkpoints").glob("*.ckpt"))  # killed between step and last checkpoint: resumes too
     print(f"[compare] {attention} (seed {seed}): {'resuming' if resume else 'training'} -> {folder}", flush=True)
     cli, final = fit_and_validate(run_config(study, attention, seed), resume=resume,
-                                  limit_val_batches=study["final_val_batches"])
+                                  limit_val_batches=study["final_val_batches"],
+                                  start=StartLines(data=True, moba=False) if announce else None)
+    final, counts = split_counts(final)
     config: ModelConfig = cli.model.config
     seq_len = cli.model.seq_len
     rows = read_csv_rows(folder)
@@ -188,7 +209,9 @@ def train_one(study: dict, attention: str, seed: int) -> dict:
         "seed": seed,
         "config": json.loads(json.dumps(cli.model.hparams["config"])),
         "final": final,
+        "final_validation": counts,
         "val_history": val_history(rows, study["trainer"]["max_steps"]),
+        "validation_during_fit": fit_validation_counts(rows, study["trainer"]["max_steps"]),
         "windows": [list(w) for w in cli.model.windows],
         "params_non_embedding": config.num_parameters(non_embedding=True),
         "params_total": config.num_parameters(non_embedding=False),
@@ -241,6 +264,8 @@ def markdown_report(study: dict, results: list[dict]) -> str:
         f"{seed_text}; corpus fingerprint `{results[0].get('fingerprint')}`.",
         f"MoBA: chunk {moba.moba.chunk_size}, top-k {moba.moba.top_k} "
         f"(skips {moba.attention_sparsity(seq_len):.0%} of causal query-key pairs at this length).",
+        *([f"**Note:** {note.removeprefix('note: ')}: the moba row is full attention here."]
+          if (note := moba_note(moba, seq_len)) else []),
         "",
         "| attention | val loss | val bpb | val ppl | trailing loss | params (non-emb) | train time (s) | tokens/s "
         "| 6N FLOPs/token | attention FLOPs/token |",
@@ -264,11 +289,30 @@ def markdown_report(study: dict, results: list[dict]) -> str:
     for attention, runs in by_attention(results).items():
         per_window = zip(*(window_losses(r) for r in runs), strict=True)
         lines.append(f"| {attention} | " + " | ".join(fmt(list(w), ".4f") for w in per_window) + " |")
-    lines += ["", f"Final validation: {study['final_val_batches']} batches; the curve in val_loss.png uses the "
-              f"first {trainer['limit_val_batches']} (so its last point differs from the table). Trailing loss = "
-              "the last window of positions; bpb = bits per byte. Train time counts training batches only (no "
-              "validation); a resumed run's time is the sum of its sessions.", ""]
+    final, during = counts_text(results, "final_validation"), counts_text(results, "validation_during_fit")
+    batches = {(r.get("final_validation") or {}).get("batches") for r in results}
+    fewer = (f" (all the validation split holds: fewer than --final_val_batches {study['final_val_batches']})"
+             if batches and all(b is not None and b < study["final_val_batches"] for b in batches) else "")
+    differs = " (so its last point differs from the table)" if final != during else ""
+    lines += ["", f"Final validation read {final} per run{fewer}; the curve in val_loss.png, {during} per "
+              f"point{differs}. Trailing loss = the last window of positions; bpb = bits per byte. Train time counts "
+              "training batches only (no validation); a resumed run's time is the sum of its sessions.", ""]
     return "\n".join(lines)
+
+
+def counts_text(results: list[dict], key: str) -> str:
+    """``1 batch, 3 sequences, 384 tokens``: what the runs' validation ``key`` read, as they recorded it (each
+    run's when they differ)."""
+    def one(counts: dict | None) -> str:
+        if not counts:
+            return "an uncounted number of batches"
+        return ", ".join(plural(counts[what], word) for what, word in zip(names.EVAL_COUNTS,
+                                                                         ("batch", "sequence", "token"), strict=True))
+
+    texts = {f"{r['attention']} seed {r['seed']}": one(r.get(key)) for r in results}
+    if len(set(texts.values())) == 1:
+        return next(iter(texts.values()))
+    return "; ".join(f"{run}: {text}" for run, text in texts.items())
 
 
 def plot_mean_and_std(results: list[dict], x_of, losses_of, labels: dict, path: Path) -> None:
@@ -300,7 +344,14 @@ def run(study: dict) -> Path:
     claim_folder(study)
     out = Path(study["out"])
     print(f"[compare] results go to {out}", flush=True)
-    results = [train_one(study, attention, seed) for attention, seed in run_order(study)]
+    note = study_moba_note(study)
+    if note:
+        say(note)
+    results, announced = [], False
+    for attention, seed in run_order(study):
+        trains = not (run_folder(study, attention, seed) / "result.json").exists()
+        results.append(train_one(study, attention, seed, announce=trains and not announced))
+        announced = announced or trains
     (out / "results.json").write_text(json.dumps({"study": study, "results": results}, indent=2))
     report = markdown_report(study, results)
     (out / "results.md").write_text(report)
@@ -310,12 +361,19 @@ def run(study: dict) -> Path:
     return out
 
 
+def study_moba_note(study: dict) -> str | None:
+    """:func:`lit.training.progress.moba_note` for the study's MoBA runs."""
+    data = study["data"].get("init_args", study["data"])
+    return moba_note(ModelConfig(**{**study["model"]["config"], "attention": "moba"}), data["seq_len"])
+
+
 def summary_line(study: dict, results: list[dict]) -> str:
     """The line the study ends with: each kind's final validation loss, where the report, checkpoints and logs are."""
     out = Path(study["out"])
     losses = ", ".join(f"{attention} {fmt([r['final'][names.loss('val')] for r in runs], '.4f')}"
                        for attention, runs in by_attention(results).items())
-    return (f"flexmoba: compare done: {names.loss('val')} {losses} ({study['final_val_batches']} batches); report "
+    read = counts_text(results, "final_validation")
+    return (f"flexmoba: compare done: {names.loss('val')} {losses} ({read}); report "
             f"{out / 'results.md'} (plots beside it); checkpoints {out}/<attention>/seed<N>/checkpoints/last.ckpt; "
             f"logs {out}/<attention>/seed<N>/csv, tb")
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -410,15 +411,19 @@ def base_config(spec: SweepSpec) -> dict:
     return read_config(["--config", spec.base_config, *spec.cli_args], prog="flexmoba sweep")
 
 
-def execute(run: Run, base: dict, resume: bool, processes: Processes = Processes()) -> dict:
-    """Fit (or resume) one run and validate it; rank 0 writes its ``result.json``."""
+def execute(run: Run, base: dict, resume: bool, processes: Processes = Processes(), announce: bool = False) -> dict:
+    """Fit (or resume) one run and validate it; rank 0 writes its ``result.json``. With ``announce`` the run
+    says what data it reads when it starts (the sweep's first run to train does)."""
     from lit.training.launch import fit_and_validate
+    from lit.training.progress import StartLines
 
     config = run.config(base)
     for key, value in {**processes.launch_settings(run.spec), **machine_settings(base)}.items():
         set_dotted(config, key, value)
     started = time.time()
-    cli, metrics = fit_and_validate(config, resume=resume)
+    start = StartLines(moba=False, lift="add {options} to the sweep config's cli_args to use them all",
+                       option="{name}=null") if announce else None
+    cli, metrics = fit_and_validate(config, resume=resume, start=start)
     result = {
         "run": run.name,
         "size": run.size.name,
@@ -492,15 +497,32 @@ def run_sweep(spec: SweepSpec, processes: Processes = Processes()) -> list[dict]
     plan = processes.share(lambda: plan_runs(spec))
     base = base_config(spec) if any(state != "done" for state, _ in plan) else None
     say = print if processes.is_main else lambda *args, **kwargs: None
-    results = []
+    if processes.is_main and base is not None:
+        for note in moba_notes(spec):
+            sys.stderr.write(f"flexmoba: {note}\n")
+    results, announced = [], False
     for i, (run, (state, result)) in enumerate(zip(runs, plan, strict=True), 1):
         if state == "done":
             say(f"[{i}/{len(runs)}] {run.name}: done, skipped", flush=True)
             results.append(result)
             continue
         say(f"[{i}/{len(runs)}] {run.name}: {PLAN_WORDS[state]}, {run.steps()} steps", flush=True)
-        results.append(execute(run, base, resume=state == "resume", processes=processes))
+        results.append(execute(run, base, resume=state == "resume", processes=processes, announce=not announced))
+        announced = True
     return results
+
+
+def moba_notes(spec: SweepSpec) -> list[str]:
+    """One ``note: <attention>: ...`` per attention type of the sweep whose MoBA equals full attention at its
+    ``seq_len`` (:func:`lit.training.progress.moba_note`)."""
+    from lit.training.progress import moba_note
+
+    notes = {}
+    for run in spec.runs():
+        if run.attention_name not in notes:
+            note = moba_note(run.model_config(), spec.seq_len)
+            notes[run.attention_name] = note and f"note: {run.attention_name}: {note.removeprefix('note: ')}"
+    return [note for note in notes.values() if note]
 
 
 def print_plan(spec: SweepSpec) -> float | None:

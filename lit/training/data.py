@@ -430,6 +430,8 @@ class ByteFilesData(L.LightningDataModule):
         self.members: dict[str, list[str]] | None = None  # package -> files, with documents="packages"
         self.fingerprint: str | None = None
         self.datasets: dict[str, ByteSequences] = {}
+        self.selected: dict[str, list[tuple[str, int]]] | None = None  # each split's documents, once listed
+        self.usable_documents: int | None = None  # documents long enough, before max_files/max_bytes
         self._resume: dict | None = None
         self._train_sampler: ResumableSampler | None = None
 
@@ -471,6 +473,7 @@ class ByteFilesData(L.LightningDataModule):
         files = self._documents()
         min_doc_bytes = self._min_document_bytes()
         n_short = sum(size < min_doc_bytes for _, size in files)
+        self.usable_documents = len(files) - n_short
         if n_short == len(files):
             raise CorpusError(
                 "seq_len",
@@ -499,6 +502,7 @@ class ByteFilesData(L.LightningDataModule):
     def _cache(self) -> tuple[TokenCache, dict[str, list[tuple[str, int]]]]:
         selected = self._selected_files()
         self.fingerprint = self._fingerprint(selected)
+        self.selected = selected
         return self._token_cache(f"{self.fingerprint}-{source_key(self.root, selected, self.members)}"), selected
 
     def _token_cache(self, key: str) -> TokenCache:
@@ -539,6 +543,46 @@ class ByteFilesData(L.LightningDataModule):
         for split in ("train", "val"):
             if len(self.datasets[split]) == 0:
                 raise ValueError(f"the {split} split has no sequences of seq_len={self.seq_len}")
+
+    # -- what it reads -------------------------------------------------------------------
+
+    def split_tokens(self, split: str) -> int:
+        """Tokens in ``split`` (bytes here; a tokenized subclass counts its tokens)."""
+        return sum(size for _, size in self.selected[split])
+
+    def summary(self, lift: str = "pass {options} to use them all", option: str = "{name} null") -> list[str]:
+        """What the run reads, once set up, in one line (two with a cap from the config: what it leaves out
+        and how to lift it, ``lift`` naming the ``options`` written as ``option``), without the
+        ``flexmoba:`` prefix::
+
+            data: 10 files under /corpus (*.txt), sequences of 128 bytes: train 8 files, 41,234 bytes, 318
+            sequences; val 1 file, 482 bytes, 3 sequences; test 1 file, 1,033 bytes, 8 sequences
+            data: max_files 8 keeps 10 of the 265 files long enough; pass --data.max_files null to use them all
+        """
+        selected = self.selected if self.selected is not None else self._selected_files()
+        noun = "file" if self.documents == "files" else "package"
+        unit = "bytes" if type(self).split_tokens is ByteFilesData.split_tokens else "tokens"
+        parts = []
+        for split in SPLITS:
+            n_bytes = sum(size for _, size in selected[split])
+            counts = [counted(len(selected[split]), noun), f"{n_bytes:,} bytes"]
+            if unit == "tokens" and self.datasets:
+                counts.append(f"{self.split_tokens(split):,} tokens")
+            if split in self.datasets:
+                counts.append(counted(len(self.datasets[split]), "sequence"))
+            parts.append(f"{split} " + ", ".join(counts))
+        chosen = sum(len(documents) for documents in selected.values())
+        where = f"{counted(chosen, noun)} under {self.root} ({', '.join(self.patterns)})"
+        lines = [f"data: {where}, sequences of {self.seq_len} {unit}: " + "; ".join(parts)]
+        caps = [(name, value) for name, value in (("max_files", self.max_files), ("max_bytes", self.max_bytes))
+                if value is not None]
+        usable = self.usable_documents
+        if caps and usable is not None and chosen < usable:
+            given = " and ".join(f"{name} {value:,}" for name, value in caps)
+            options = " ".join(option.format(name=f"--data.{name}") for name, _ in caps)
+            lines.append(f"data: {given} keep{'s' * (len(caps) == 1)} {chosen:,} of the {counted(usable, noun)} "
+                         f"long enough; {lift.format(options=options)}")
+        return lines
 
     # -- loaders ------------------------------------------------------------------------
 
@@ -597,6 +641,11 @@ class ByteFilesData(L.LightningDataModule):
             )
         self._resume = state.get("train_position")
 
+
+
+def counted(count: int, noun: str) -> str:
+    """``1 file``, ``3 files``, ``1,024 sequences``."""
+    return f"{count:,} {noun}" + ("" if count == 1 else "s")
 
 
 def check_arguments(*, seq_len, batch_size, max_files, max_bytes, val_fraction, test_fraction) -> None:

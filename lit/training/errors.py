@@ -3,7 +3,8 @@
 Code at any floor below the command (training, experiments) raises these; it never prints or exits.
 The ``flexmoba`` command (:func:`lit.cli.errors.one_line_errors`) turns a :class:`UsageError` or a
 :class:`ConfigError` into one ``flexmoba: error: ...`` line and exit code 2, a
-:class:`TrainingDiverged` into one line and exit code 1.
+:class:`TrainingDiverged` into one line and exit code 1, a :class:`RunInterrupted` (Ctrl-C) into one line
+saying how to resume and exit code 130.
 """
 
 from __future__ import annotations
@@ -21,6 +22,19 @@ class TrainingDiverged(RuntimeError):
         self.step, self.name, self.value = step, name, value
         shown = f"{name} = {value}" if value is not None else "non-finite on another process"
         super().__init__(f"training diverged at step {step}: {shown}")
+
+
+class RunInterrupted(Exception):
+    """Ctrl-C (SIGINT) stopped a run at ``step``; ``resumable``: its folder ``run_dir`` holds a checkpoint to
+    resume from, of step ``saved_step`` (None: unknown, or none). Not a KeyboardInterrupt: the command
+    ends with one line saying how to resume (:mod:`lit.cli.errors`)."""
+
+    def __init__(self, step: int | None, saved_step: int | None, run_dir: str | None = None,
+                 resumable: bool | None = None):
+        self.step, self.saved_step, self.run_dir = step, saved_step, run_dir
+        self.resumable = saved_step is not None if resumable is None else resumable
+        at = f" at step {step}" if step is not None else ""
+        super().__init__(f"interrupted{at}")
 
 
 class UsageError(ValueError):

@@ -22,12 +22,15 @@ TensorBoard. ``predict`` writes ``<root>/predictions/predictions-rank<R>.jsonl``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import inspect
 import json
 import logging
 import os
+import signal
+import threading
 import warnings
 from pathlib import Path
 
@@ -42,7 +45,7 @@ from flexmoba.model import ModelConfig
 from lit.training import checks
 from lit.training import metric_names as names
 from lit.training.data import ByteFilesData, CorpusError
-from lit.training.errors import ConfigError, UsageError, is_rank_zero
+from lit.training.errors import ConfigError, RunInterrupted, UsageError, is_rank_zero
 from lit.training.guards import (
     AtomicCheckpointIO,
     DivergenceGuard,
@@ -54,7 +57,7 @@ from lit.training.metrics import position_windows, trailing_window
 from lit.training.module import LitLM
 from lit.training.options import option_names
 from lit.training.predictions import JsonlPredictionWriter
-from lit.training.progress import run_summary, say, with_own_display
+from lit.training.progress import StartLines, progress_seconds, run_summary, say, with_own_display
 
 
 def checkpoint_dir(default_root_dir: str | None) -> str:
@@ -98,6 +101,127 @@ class LauncherParser(LightningArgumentParser):
         names = [name for name in self._option_string_actions if name.startswith("--")]
         data = [f"--data.{name}" for name in inspect.signature(ByteFilesData).parameters]
         return names + option_names(ModelConfig, "--model.config.") + data
+
+    def format_help(self, formatter=None) -> str:
+        """flexmoba's options first: the run's own, the model's training, its architecture (``--model.config.*``,
+        which Lightning's page leaves to ``--model.config.help``), the default data module's (``--data.*``, left to
+        ``--data.help``), checkpoints, the divergence guard, predictions; Lightning's after them (the Trainer,
+        the optimizer and LR scheduler, links). A short usage line instead of one naming every option."""
+        groups = list(self._action_groups)
+        if "trainer" not in map(group_key, groups):
+            return super().format_help(formatter)
+        lightning = [group for group in groups if is_lightnings(group)]
+        own = sorted((group for group in groups if not is_lightnings(group)),
+                     key=lambda group: HELP_ORDER.index(group_key(group)) if group_key(group) in HELP_ORDER
+                     else len(HELP_ORDER))  # stable: groups of one key keep their order
+        for group in list(own):
+            if group_key(group) in HELP_EXTRAS:
+                at = own.index(group) + 1
+                own[at:at] = HELP_EXTRAS[group_key(group)]()
+        titles = {group: group.title for group in own + lightning}
+        usage = self.usage
+        for group in groups:
+            group.title = HELP_TITLES.get(group_key(group), group.title)
+        self._action_groups, self.usage = own + lightning, short_usage(self.prog)
+        try:
+            return super().format_help(formatter) if formatter is not None else super().format_help()
+        finally:
+            self._action_groups, self.usage = groups, usage
+            for group, title in titles.items():
+                group.title = title
+
+
+LIGHTNINGS = ("trainer", "optimizer", "lr_scheduler", "links")
+# flexmoba's help groups in the order shown: the general options, the subcommand's own (--ckpt_path), the model
+# (its architecture after it), the data (the default module's options after it), the guards and checkpoints.
+HELP_ORDER = ("", "help", "ckpt_path", "model", "data", "divergence_guard", "predictions", "checkpoint")
+HELP_TITLES = {
+    "model": "The model's training (--model.*)",
+    "checkpoint": "Checkpoints (--checkpoint.*)",
+    "divergence_guard": "The divergence guard (--divergence_guard.*)",
+    "predictions": "Predictions (--predictions.*, predict only)",
+    "data": "The data module (--data CLASS_PATH; the default: lit.training.data.ByteFilesData)",
+    "ckpt_path": "The checkpoint (--ckpt_path last: the run folder's newest; or a path)",
+    "trainer": "Lightning's options from here on. The Trainer (--trainer.*)",
+}
+
+
+def short_usage(prog: str) -> str:
+    """``flexmoba [options] fit [--config FILE] [--OPTION VALUE ...]``: one line, not one naming every option."""
+    return f"{prog} [--config FILE] [--OPTION VALUE ...]"
+
+
+def group_key(group) -> str:
+    """What a help group is about: its ``dest`` (``model``), else the top key of its first option
+    (``trainer``, ``data``, ``optimizer``; ``help`` for the general options)."""
+    dest = getattr(group, "dest", None)
+    if dest:
+        return dest
+    if group.title == "Linked arguments":
+        return "links"
+    actions = getattr(group, "_group_actions", [])
+    return actions[0].dest.split(".")[0] if actions else ""
+
+
+def is_lightnings(group) -> bool:
+    """Whether a help group holds Lightning's options (the Trainer's, optimizer's, LR scheduler's, links)."""
+    return group_key(group).split(".")[0] in LIGHTNINGS
+
+
+def help_groups(cls, prefix: str, titles: dict[str, str], defaults: dict | None = None) -> list:
+    """The help groups of ``cls``'s arguments under ``prefix`` (a throwaway parser's), titled by ``titles``
+    (group dest -> title), showing ``defaults`` (dest -> value) where given."""
+    from jsonargparse import ArgumentParser
+
+    helper = ArgumentParser(prog="flexmoba")
+    helper.add_class_arguments(cls, prefix)
+    groups = []
+    for group in helper._action_groups:
+        if getattr(group, "dest", None) not in titles:
+            continue
+        group.title = titles[group.dest]
+        group._group_actions = [action for action in group._group_actions if action.dest != group.dest]
+        for action in group._group_actions:
+            if defaults and action.dest in defaults:
+                action.default, action.required = defaults[action.dest], False
+        groups.append(group)
+    return groups
+
+
+def flattened(values: dict, prefix: str) -> dict:
+    """``{"a": {"b": 1}}`` as ``{"<prefix>.a.b": 1, "<prefix>.a": {...}}``."""
+    flat = {}
+    for key, value in values.items():
+        flat[f"{prefix}.{key}"] = value
+        if isinstance(value, dict):
+            flat.update(flattened(value, f"{prefix}.{key}"))
+    return flat
+
+
+def field_defaults(cls) -> dict:
+    """A dataclass's declared defaults (``None`` where ``__post_init__`` derives a value), nested ones as dicts."""
+    values = {}
+    for field in dataclasses.fields(cls):
+        value = field.default if field.default is not dataclasses.MISSING else (
+            field.default_factory() if field.default_factory is not dataclasses.MISSING else None)
+        values[field.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+    return values
+
+
+def model_config_groups() -> list:
+    return help_groups(ModelConfig, "model.config", {
+        "model.config": "The model's architecture (--model.config.*; the defaults are the project's default model)",
+        "model.config.moba": "MoBA (--model.config.moba.*)"},
+        flattened(field_defaults(ModelConfig), "model.config"))
+
+
+def data_groups() -> list:
+    return help_groups(ByteFilesData, "data", {
+        "data": f"The data (--data.*) of {ByteFilesData.__module__}.{ByteFilesData.__name__}, the default data "
+                "module (another module's: --data.help CLASS_PATH)"})
+
+
+HELP_EXTRAS = {"model": model_config_groups, "data": data_groups}  # shown right after the group they belong to
 
 
 def model_config_problem(fields: dict) -> str | None:
@@ -306,7 +430,53 @@ def checkpoint_to_use(config: Namespace, subcommand: str) -> str | None:
     return ckpt_path
 
 
+def saved_step(folder: str | os.PathLike | None) -> tuple[bool, int | None]:
+    """Whether ``folder`` holds a checkpoint to resume from, and the step of the newest intact one
+    (None when it is a sharded checkpoint folder or none is there)."""
+    if not folder or not os.path.isdir(folder):
+        return False, None
+    newest, _ = newest_intact_checkpoint(folder)
+    if newest is None:
+        return False, None
+    if newest.is_dir():
+        return True, None
+    try:
+        return True, int(read_checkpoint(newest)["global_step"])
+    except Exception:  # an unreadable step is only left unsaid
+        return True, None
+
+
+def interrupted(trainer: L.Trainer | None) -> RunInterrupted:
+    """What Ctrl-C stopped: the step the run reached and the newest checkpoint of its folder. Lightning
+    ignores SIGINT once it has caught one (to shut down); a second Ctrl-C works again from here."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if trainer is None:
+        return RunInterrupted(None, None)
+    callback = trainer.checkpoint_callback
+    resumable, step = saved_step(callback.dirpath if callback is not None else None)
+    return RunInterrupted(trainer.global_step, step, str(trainer.default_root_dir), resumable)
+
+
+@contextlib.contextmanager
+def interrupts_as_one_line(trainer_of):
+    """Ctrl-C inside: :class:`RunInterrupted` for ``trainer_of()``'s run. Lightning turns a KeyboardInterrupt
+    in ``fit``/``validate`` into ``SystemExit(1)`` once it has shut down; this tells it by its cause."""
+    try:
+        yield
+    except SystemExit as stop:
+        if not isinstance(stop.__context__, KeyboardInterrupt):
+            raise
+        raise interrupted(trainer_of()) from None
+    except KeyboardInterrupt:
+        raise interrupted(trainer_of()) from None
+
+
 class FlexMobaCLI(LightningCLI):
+    def __init__(self, *args, start: StartLines | None = None, **kwargs):
+        self.start = start  # what the fit says when it starts (its data, a MoBA that cannot be sparse)
+        super().__init__(*args, **kwargs)
+
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(SafeModelCheckpoint, "checkpoint")
         parser.add_lightning_class_args(DivergenceGuard, "divergence_guard")
@@ -336,6 +506,7 @@ class FlexMobaCLI(LightningCLI):
         if problem:
             parser.error(problem)
         try:
+            progress_seconds()  # a progress interval that is not seconds: said before anything runs
             # ``last`` stays in the config until the run starts: only an explicit path makes Lightning
             # take the model's hyperparameters from the checkpoint.
             self.checkpoint = checkpoint_to_use(config, subcommand) if subcommand else None
@@ -356,7 +527,7 @@ class FlexMobaCLI(LightningCLI):
         trainer = super().instantiate_trainer(**kwargs)
         if trainer.strategy.root_device.type == "cpu":
             keep_freed_memory()  # page faults on every step's temporaries otherwise (flexmoba/host_memory.py)
-        return with_own_display(trainer)
+        return with_own_display(trainer, self.start)
 
     def check_data(self) -> None:
         """A corpus that cannot work (no files, patterns matching nothing, files too short) is one
@@ -400,7 +571,8 @@ class FlexMobaCLI(LightningCLI):
 
     def _run_subcommand(self, subcommand: str) -> None:
         try:
-            super()._run_subcommand(subcommand)
+            with interrupts_as_one_line(lambda: getattr(self, "trainer", None)):
+                super()._run_subcommand(subcommand)
         except CorpusError as error:  # e.g. a checkpoint of another corpus, found when Lightning restores it
             self.parser.error(f"--data.{error.option}: {error}")
 
@@ -411,8 +583,9 @@ class FlexMobaCLI(LightningCLI):
     after_fit = after_validate = after_test = after_predict = after_subcommand
 
 
-def run_cli(args: list[str] | None = None) -> FlexMobaCLI:
-    """Run the CLI (in-process when ``args`` are given) and return it, trainer and model included."""
+def run_cli(args: list[str] | None = None, start: StartLines | None = None) -> FlexMobaCLI:
+    """Run the CLI (in-process when ``args`` are given) and return it, trainer and model included. A fit
+    says what ``start`` says when it starts (default: its data, and a MoBA that cannot be sparse)."""
     with warnings.catch_warnings():
         # ByteFilesData resumes mid-epoch through its own state_dict (see lit/training/data.py);
         # Lightning's check only looks at the DataLoader, so its warning would be wrong here.
@@ -423,6 +596,7 @@ def run_cli(args: list[str] | None = None) -> FlexMobaCLI:
             L.LightningDataModule,
             subclass_mode_data=True,
             args=args,
+            start=StartLines() if start is None else start,
             parser_class=LauncherParser,
             seed_everything_default=1337,
             save_config_kwargs={"overwrite": True},
@@ -430,23 +604,26 @@ def run_cli(args: list[str] | None = None) -> FlexMobaCLI:
         )
 
 
-def fit_and_validate(config: dict, *, resume: bool = False,
-                     limit_val_batches: int | None = None) -> tuple[FlexMobaCLI, dict]:
+def fit_and_validate(config: dict, *, resume: bool = False, limit_val_batches: int | None = None,
+                     start: StartLines | None = None) -> tuple[FlexMobaCLI, dict]:
     """Fit the run ``config`` describes (a parsed ``flexmoba fit`` config as a dict of typed values),
     resuming from its ``last.ckpt`` if asked, and return the CLI and its final validation metrics.
 
     The final validation is the one that ended the fit when it ran at the last step with
-    ``limit_val_batches`` batches (or the config's), else a new one: one validation, not two.
+    ``limit_val_batches`` batches (or the config's), else a new one: one validation, not two. The fit
+    says what ``start`` says when it starts (default: nothing, the job says it once for all its runs).
+    Ctrl-C raises :class:`RunInterrupted`.
     """
     if resume:
         config = {**config, "ckpt_path": "last"}
-    cli = run_cli({"fit": config})
+    cli = run_cli({"fit": config}, start=start or StartLines(data=False, moba=False))
     trainer = cli.trainer
     if limit_val_batches is None and names.loss("val") in trainer.callback_metrics:
         return cli, {k: float(v) for k, v in trainer.callback_metrics.items() if not names.of_stage(k, "train")}
     if limit_val_batches is not None:
         trainer.limit_val_batches = limit_val_batches
-    metrics = trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)[0]
+    with interrupts_as_one_line(lambda: trainer):
+        metrics = trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)[0]
     return cli, {k: float(v) for k, v in metrics.items()}
 
 

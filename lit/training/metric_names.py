@@ -55,6 +55,17 @@ def of_stage(key: str, stage: str) -> bool:
     return key.startswith(f"{stage}/")
 
 
+EVAL_COUNTS = ("batches", "sequences", "tokens")  # what an evaluation counts as it runs
+
+
+def eval_count(stage: str, what: str) -> str:
+    """How many batches, sequences or scored target tokens an evaluation of ``stage`` really read (all
+    processes together): what ran, not the configured limit."""
+    if what not in EVAL_COUNTS:
+        raise ValueError(f"what must be one of {EVAL_COUNTS}, got {what!r}")
+    return f"{stage}/{what}"
+
+
 def trailing_loss(stage: str) -> str:
     """Loss over the trailing window of positions."""
     return f"{stage}/loss_trailing"

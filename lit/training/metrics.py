@@ -52,6 +52,30 @@ class TokenMeanLoss(Metric):
         return (self.loss_sum / self.token_count).float()
 
 
+class EvalCounts(Metric):
+    """What an evaluation read: batches, sequences and scored target tokens (``target != ignore_index``),
+    counted as it runs and summed over processes (``dist_reduce_fx="sum"``), so a report says what ran,
+    not the configured limit. ``compute()`` is ``float64 [3]`` in that order."""
+
+    full_state_update = False
+    is_differentiable = False
+
+    def __init__(self, ignore_index: int = IGNORE_INDEX, **kwargs):
+        super().__init__(**kwargs)
+        self.ignore_index = ignore_index
+        for name in ("batches", "sequences", "tokens"):
+            self.add_state(name, default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, targets: torch.Tensor) -> None:
+        """``targets: [B, S]``, one batch of whole sequences."""
+        self.batches += 1
+        self.sequences += targets.shape[0]
+        self.tokens += (targets != self.ignore_index).sum()
+
+    def compute(self) -> torch.Tensor:
+        return torch.stack([self.batches, self.sequences, self.tokens])
+
+
 class WindowedLoss(Metric):
     """Mean token loss inside fixed target-position windows.
 

@@ -16,7 +16,7 @@ from flexmoba.model import GPT, ModelConfig
 from lit.training import metric_names as names
 from lit.training.context_parallel import MESH_DIMS, context_parallel_group, gather_positions, group_sum
 from lit.training.grad_norm import step_grad_norm
-from lit.training.metrics import IGNORE_INDEX, TokenMeanLoss, WindowedLoss, position_windows
+from lit.training.metrics import IGNORE_INDEX, EvalCounts, TokenMeanLoss, WindowedLoss, position_windows
 from lit.training.metrics import trailing_window as trailing_positions
 from lit.training.throughput import ModelFlopsThroughput
 
@@ -89,6 +89,7 @@ class LitLM(L.LightningModule):
             self.metrics[f"{stage}_loss"] = TokenMeanLoss()
             self.metrics[f"{stage}_windows"] = WindowedLoss(self.windows)
             self.metrics[f"{stage}_trailing"] = WindowedLoss(trailing_positions(seq_len, trailing_window))
+            self.metrics[f"{stage}_counts"] = EvalCounts()  # what ran: reports count it, not the limit
         self.batch_shape = (0, seq_len)  # [B, S] of the latest batch, for flops_per_batch
         self._flops_per_batch: dict[tuple, float] = {}
 
@@ -162,6 +163,7 @@ class LitLM(L.LightningModule):
         self.metrics[f"{stage}_loss"].update(token_loss, targets)
         self.metrics[f"{stage}_windows"].update(token_loss, targets)
         self.metrics[f"{stage}_trailing"].update(token_loss, targets)
+        self.metrics[f"{stage}_counts"].update(targets)
 
     def _log_eval(self, stage: str) -> None:
         loss = self.metrics[f"{stage}_loss"].compute()
@@ -176,7 +178,10 @@ class LitLM(L.LightningModule):
         trailing = self.metrics[f"{stage}_trailing"]
         if trailing.reached()[0]:
             self.log(names.trailing_loss(stage), trailing.compute().reshape(-1)[0].float(), sync_dist=True)
-        for name in ("loss", "windows", "trailing"):
+        counts = self.metrics[f"{stage}_counts"].compute()  # every process's, summed
+        for what, count in zip(names.EVAL_COUNTS, counts, strict=True):
+            self.log(names.eval_count(stage, what), count, sync_dist=True)  # the same on every process
+        for name in ("loss", "windows", "trailing", "counts"):
             self.metrics[f"{stage}_{name}"].reset()
 
     def bytes_per_token(self, stage: str) -> float:

@@ -63,6 +63,7 @@ class ModelFlopsThroughput(ThroughputMonitor):
     def __init__(self, window_size: int = 2):
         super().__init__(batch_size_fn=sequences_in, length_fn=tokens_in, window_size=max(2, window_size))
         self._pending_flops: dict[RunningStage, float] = {}
+        self._logged_batches: dict[RunningStage, int] = {}  # the counts of the stage's last log
         self._validation_began: float | None = None
 
     def _start(self, trainer: L.Trainer) -> None:
@@ -71,6 +72,7 @@ class ModelFlopsThroughput(ThroughputMonitor):
         self._throughputs[stage].reset()
         self._lengths[stage] = self._samples[stage] = self._batches[stage] = 0
         self._pending_flops[stage] = 0.0
+        self._logged_batches[stage] = 0
         wait_for_device(trainer)
         self._t0s[stage] = perf_counter()
         self._throughputs[stage].update(time=0.0, batches=0, samples=0, lengths=0, flops=0)
@@ -98,6 +100,7 @@ class ModelFlopsThroughput(ThroughputMonitor):
         metrics = self._throughputs[stage].compute()
         named = {metric_names.throughput(stage.value, key): value for key, value in metrics.items()}
         trainer._logger_connector.log_metrics(named, step=iter_num)
+        self._logged_batches[stage] = self._batches[stage]
 
     def _compute(self, trainer: L.Trainer, iter_num: int | None = None) -> None:
         """At a training step that logs: measure and log."""
@@ -106,6 +109,15 @@ class ModelFlopsThroughput(ThroughputMonitor):
         stage = trainer.state.stage
         self._measure(trainer, stage)
         self._log(trainer, stage, iter_num)
+
+    @rank_zero_only
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """The steps after the last log step measured and logged too: the counters then hold every batch
+        the fit trained on (a report reads its tokens from them), not those up to a log step."""
+        stage = RunningStage.TRAINING
+        if self._batches.get(stage, 0) > self._logged_batches.get(stage, 0):
+            self._measure(trainer, stage)
+            self._log(trainer, stage)
 
     @rank_zero_only
     def on_validation_start(self, trainer: L.Trainer, *_) -> None:

@@ -183,6 +183,10 @@ class TokenFilesData(ByteFilesData):
             self._manifest = cache.manifest()
             self.tokenizer_json = cache.read_tokenizer_json()
 
+    def split_tokens(self, split: str) -> int:
+        """Tokens in ``split``, as the tokenizer cut it (once set up)."""
+        return int(self._manifest["tokens"][split])
+
     def bytes_per_token(self, stage: str) -> float:
         """Bytes per token of the split ``stage`` evaluates (test falls back to val, as its loader does)."""
         split = stage if stage in SPLITS and self._manifest["tokens"].get(stage) else "val"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 import zipfile
@@ -113,3 +114,121 @@ def test_retrieval_evaluate_reads_a_compare_checkpoint(tiny_compare, tmp_path):
     assert sorted({r["length"] for r in rows}) == [64, 128], rows
     assert all(0 <= r["accuracy"] <= 1 and r["samples"] == 2 for r in rows)
     assert "wrote " in proc.stdout and not proc.stderr, proc.stderr
+
+
+# -- a fit into a log file: what it reads, its progress, Ctrl-C ------------------------------------------------
+
+# MoBA that cannot be sparse (64 x 2 = seq_len 128), a budget nobody waits for, a checkpoint every 2 steps.
+LONG_FIT = ["--model.config.moba.chunk_size", "64", "--model.config.moba.top_k", "2", "--trainer.max_steps", "100000",
+            "--checkpoint.every_n_train_steps", "2", "--trainer.enable_progress_bar", "false"]
+
+
+def fit_until(args: list[str], root: Path, ready, cwd: Path) -> tuple[int, str]:
+    """``flexmoba fit`` with stdout and stderr in files (not a terminal), a progress line every step; SIGINT once
+    ``ready(stderr so far)`` holds; its exit code and stderr."""
+    import os
+    import signal
+    import time
+
+    err = root.with_suffix(".stderr")
+    with open(err, "w") as errors, open(root.with_suffix(".stdout"), "w") as output:
+        proc = subprocess.Popen([sys.executable, "-m", "lit.cli.main", *args], cwd=cwd, stdout=output, stderr=errors,
+                                env={**os.environ, "FLEXMOBA_PROGRESS_SECONDS": "0"},
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        deadline = time.time() + 300
+        while not ready(err.read_text(encoding="utf-8")) and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=120)
+    return code, err.read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def interrupted_fit(tmp_path_factory, corpus_cache) -> dict:
+    """A long fit stopped by Ctrl-C after its first checkpoint and a validation, then resumed with the command its
+    last line names, and stopped again once it has taken a step."""
+    folder = tmp_path_factory.mktemp("interrupted")
+    root = folder / "run"
+    args = [*tiny_fit(root), *LONG_FIT, "--data.cache_dir", str(corpus_cache)]
+    code, stderr = fit_until(args, root, lambda text: list((root / "checkpoints").glob("step*.ckpt"))
+                             and "flexmoba: validation batch" in text, folder)
+    resume = re.search(r"resume with: (.*)$", stderr.strip().splitlines()[-1]) if stderr.strip() else None
+    again = None
+    if resume:
+        again = fit_until(shlex.split(resume[1])[1:], folder / "resumed", lambda text: "flexmoba: step " in text,
+                          folder)
+    return {"args": args, "root": root, "code": code, "stderr": stderr, "resumed": again}
+
+
+@pytest.mark.slow
+def test_a_fit_says_at_the_start_what_data_it_reads_and_how_to_lift_the_cap(interrupted_fit):
+    lines = interrupted_fit["stderr"].splitlines()
+    data = [line for line in lines if line.startswith("flexmoba: data: ")]
+    assert len(data) == 2, lines[:20]
+    assert re.fullmatch(r"flexmoba: data: \d+ files under \S+ \(\*\.py\), sequences of 128 bytes: train 8 files, "
+                        r"[\d,]+ bytes, [\d,]+ sequences; val 1 file, [\d,]+ bytes, [\d,]+ sequences; test 1 file, "
+                        r"[\d,]+ bytes, [\d,]+ sequences", data[0]), data[0]
+    assert re.fullmatch(r"flexmoba: data: max_files 8 keeps 10 of the [\d,]+ files long enough; pass "
+                        r"--data.max_files null to use them all", data[1]), data[1]
+    assert lines.index(data[0]) < min(i for i, line in enumerate(lines) if line.startswith("flexmoba: step "))
+
+
+@pytest.mark.slow
+def test_a_fit_whose_moba_cannot_be_sparse_says_so_once_at_the_start(interrupted_fit):
+    lines = interrupted_fit["stderr"].splitlines()
+    note = ("flexmoba: note: MoBA at seq_len 128 with chunk_size 64 × top_k 2 attends every earlier key (equals full "
+            "attention); lower chunk_size or top_k to make it sparse")
+    assert lines.count(note) == 1, lines[:20]
+    assert lines.index(note) < min(i for i, line in enumerate(lines) if line.startswith("flexmoba: step "))
+
+
+@pytest.mark.slow
+def test_a_fit_into_a_file_prints_progress_lines_for_training_and_validation(interrupted_fit):
+    lines = interrupted_fit["stderr"].splitlines()
+    steps = [line for line in lines if line.startswith("flexmoba: step ")]
+    assert steps and all(re.fullmatch(r"flexmoba: step \d+/100000: loss \d+\.\d{4}, [\d,]+ tokens/s, "
+                                      r"(\d+s|\d+m \d\ds|\d+h \d\dm) left", line) for line in steps), steps[:5]
+    assert [int(line.split()[2].split("/")[0]) for line in steps[:3]] == [1, 2, 3]  # one a step (interval 0)
+    validation = [line for line in lines if line.startswith("flexmoba: validation batch ")]
+    assert validation and all(re.fullmatch(r"flexmoba: validation batch [12]/2: [\d,]+ tokens/s, \d+s left", line)
+                              for line in validation), validation
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_a_fit_with_the_step_reached_and_the_command_that_resumes_it(interrupted_fit):
+    code, stderr = interrupted_fit["code"], interrupted_fit["stderr"]
+    assert code == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    said = re.fullmatch(r"flexmoba: interrupted at step (\d+) \(resumes from step (\d+)\); resume with: (.*)", last)
+    assert said, last
+    reached = max(int(line.split()[2].split("/")[0]) for line in stderr.splitlines()
+                  if line.startswith("flexmoba: step "))
+    assert int(said[1]) == reached and 2 <= int(said[2]) <= reached and int(said[2]) % 2 == 0, last
+    assert said[3] == shlex.join(["flexmoba", *interrupted_fit["args"], "--ckpt_path", "last"]), said[3]
+    code, resumed = interrupted_fit["resumed"]  # the command it names, run: it goes on from that checkpoint
+    first_step = next(line for line in resumed.splitlines() if line.startswith("flexmoba: step "))
+    assert first_step.startswith(f"flexmoba: step {int(said[2]) + 1}/100000: "), resumed[-3000:]
+    assert code == 130 and resumed.strip().splitlines()[-1].startswith("flexmoba: interrupted at step "), resumed
+
+
+@pytest.mark.parametrize("command, error, line", [
+    (["flexmoba", "fit", "--config", "configs/moba.yaml", "--ckpt_path", "runs/moba/checkpoints/step000010.ckpt"],
+     (37, 36, "runs/moba", True),
+     "interrupted at step 37 (resumes from step 36); resume with: flexmoba fit --config configs/moba.yaml "
+     "--ckpt_path last"),
+    (["flexmoba", "fit", "--config", "my config.yaml"], (1, None, "runs/moba", False),
+     "interrupted at step 1, before its first checkpoint; start again with: flexmoba fit --config 'my config.yaml'"),
+    (["flexmoba", "compare", "--seeds", "2"], (40, 40, "runs/compare/full/seed1338", True),
+     "interrupted at step 40 of runs/compare/full/seed1338 (resumes from step 40); resume with: flexmoba compare "
+     "--seeds 2"),
+    (["flexmoba", "sweep", "configs/sweep/toy.yaml"], (7, None, "runs/sweep/s0-moba", True),
+     "interrupted at step 7 of runs/sweep/s0-moba (resumes from its newest checkpoint); resume with: flexmoba sweep "
+     "configs/sweep/toy.yaml"),
+    (["flexmoba", "compare"], None, "interrupted; run it again with: flexmoba compare"),
+])
+def test_an_interrupted_run_names_the_command_that_resumes_it(command, error, line):
+    from lit.cli.errors import interrupted_line
+    from lit.training.errors import RunInterrupted
+
+    assert interrupted_line(error and RunInterrupted(*error), command) == line

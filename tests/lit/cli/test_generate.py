@@ -43,3 +43,61 @@ def test_sampling_is_seeded_and_top_k_one_is_greedy(tiny_checkpoint):
         return gen.generate(model, b"import ", 12, 1.0, None, torch.Generator().manual_seed(seed))
 
     assert sample(3) == sample(3) and sample(3) != sample(4)
+
+
+def test_cli_writes_each_byte_as_soon_as_it_is_sampled(tiny_checkpoint, monkeypatch):
+    import flexmoba.model
+
+    events = []
+    sample = flexmoba.model.sample_next_token
+
+    def sampled(*args, **kwargs):
+        events.append("sample")
+        return sample(*args, **kwargs)
+
+    class Written:
+        def write(self, data):
+            events.append(("write", bytes(data)))
+            return len(data)
+
+        def flush(self):
+            events.append("flush")
+
+    class Stdout:
+        buffer = Written()
+
+        def isatty(self):
+            return False
+
+        def flush(self):
+            events.append("flush")
+
+    monkeypatch.setattr(flexmoba.model, "sample_next_token", sampled)
+    monkeypatch.setattr(gen, "sample_next_token", sampled, raising=False)
+    monkeypatch.setattr(gen.sys, "stdout", Stdout())
+    gen.main(["--ckpt", str(tiny_checkpoint), "--prompt", "def ", "--max_new_bytes", "5"])
+    writes = [event for event in events if event != "flush"]
+    # the prompt, then one written byte after each sample, before the next sample: a stream, not one write at the end
+    assert writes[0] == ("write", b"def ") and writes[-1] == ("write", b"\n"), writes
+    assert [e if e == "sample" else "write" for e in writes[1:-1]] == ["sample", "write"] * 5, writes
+    assert all(len(event[1]) == 1 for event in writes[1:-1] if event != "sample"), writes
+
+
+def test_cli_says_once_when_it_generates_past_the_length_the_model_was_trained_on(tiny_checkpoint, capsysbinary):
+    gen.main(["--ckpt", str(tiny_checkpoint), "--prompt", "def ", "--max_new_bytes", "70"])  # 4 + 70 > seq_len 64
+    captured = capsysbinary.readouterr()
+    assert len(captured.out) == 4 + 70 + 1
+    assert captured.err.decode() == ("flexmoba: note: past 64 bytes, the length the model was trained on (seq_len "
+                                     "64): what follows runs on positions it never saw in training\n")
+    gen.main(["--ckpt", str(tiny_checkpoint), "--prompt", "def ", "--max_new_bytes", "60"])  # 4 + 60 = 64: within it
+    assert capsysbinary.readouterr().err == b""
+
+
+def test_streaming_gives_the_tokens_of_the_model_s_own_generate(tiny_checkpoint):
+    model = gen.load_model(str(tiny_checkpoint))
+    prompt = torch.tensor([list(b"import ")])
+    for temperature, top_k, seed in [(0.0, None, 0), (0.9, 7, 3)]:
+        expected = model.generate(prompt, 20, temperature, top_k, torch.Generator().manual_seed(seed))[0, 7:]
+        generator = torch.Generator().manual_seed(seed)
+        streamed = list(gen.stream(model, list(b"import "), 20, temperature, top_k, generator))
+        assert streamed == expected.tolist()

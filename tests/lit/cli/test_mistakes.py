@@ -114,6 +114,13 @@ WITHOUT_A_GPU = [
      "--device: cuda: this machine has no CUDA device"),
 ]
 TABLE = MISTAKES + (WITHOUT_A_GPU if NO_CUDA else [])
+# Mistakes in the environment: (its variables, command line, what the one line must say), run as subprocesses.
+ENVIRONMENT_MISTAKES = [
+    ({"FLEXMOBA_PROGRESS_SECONDS": "soon"}, ["fit", *tiny("{empty}/progress")],
+     "FLEXMOBA_PROGRESS_SECONDS: must be a number of seconds >= 0, got 'soon'; e.g. FLEXMOBA_PROGRESS_SECONDS=60"),
+    ({"FLEXMOBA_PROGRESS_SECONDS": "-1"}, ["compare", "--out", "{empty}/progress-compare"],
+     "FLEXMOBA_PROGRESS_SECONDS: must be a number of seconds >= 0, got '-1'"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -187,3 +194,17 @@ def test_the_installed_command_says_the_same(argv, expected, places):
     proc = subprocess.run([sys.executable, "-m", "lit.cli.main", *filled(argv, places)], cwd=places["cwd"],
                           capture_output=True, text=True, timeout=300)
     assert_one_line_error(proc.returncode, proc.stderr, expected.format(**places))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variables, argv, expected", ENVIRONMENT_MISTAKES,
+                         ids=[" ".join(argv[:1] + [f"{k}={v}" for k, v in variables.items()])
+                              for variables, argv, _ in ENVIRONMENT_MISTAKES])
+def test_a_mistake_in_the_environment_is_one_line_and_exit_2_before_anything_is_written(variables, argv, expected,
+                                                                                        places):
+    import os
+
+    proc = subprocess.run([sys.executable, "-m", "lit.cli.main", *filled(argv, places)], cwd=places["cwd"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, **variables})
+    assert_one_line_error(proc.returncode, proc.stderr, expected.format(**places))
+    assert not any(Path(arg.format(**places)).exists() for arg in argv if arg.startswith("{empty}/"))

@@ -2,6 +2,8 @@
 
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -142,3 +144,125 @@ def test_a_corpus_that_cannot_work_is_one_line_before_anything_is_written(tmp_pa
                    timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
     assert proc.stderr.startswith("flexmoba: error: --data.patterns: ") and not out.exists()
+
+
+# -- what a study says it did --------------------------------------------------------------------------------
+
+# MoBA that cannot be sparse (chunk_size 64 x top_k 2 = 128 = seq_len), a capped corpus whose validation split
+# is one 482-byte file (3 sequences: one batch, far below the 32 asked for), a progress line every step, 2 steps
+# where the logs come every 10.
+SMALL_VAL = ["--trainer.max_steps", "2", "--data.seq_len", "128", "--data.batch_size", "4", "--data.max_files", "8",
+             "--data.patterns", '["*.txt"]', "--model.config.moba.chunk_size", "64", "--model.config.moba.top_k", "2",
+             "--model.config.d_model", "32", "--model.config.n_layers", "2", "--model.config.n_heads", "2",
+             "--model.config.n_kv_heads", "1", "--model.config.moba.backend", "sdpa",
+             "--trainer.limit_val_batches", "8", "--final_val_batches", "32", "--trainer.enable_progress_bar", "false"]
+NOT_SPARSE = ("flexmoba: note: MoBA at seq_len 128 with chunk_size 64 × top_k 2 attends every earlier key (equals "
+              "full attention); lower chunk_size or top_k to make it sparse")
+
+
+def corpus_with_one_small_val_file(root: Path, train_files: int = 30) -> Path:
+    """``train_files`` files of 2,000 bytes that hash into the train split and one of 482 bytes that hashes into
+    val (none into test): the validation split holds 3 sequences of 128 bytes."""
+    import numpy as np
+
+    from lit.training.data import split_of
+
+    root.mkdir()
+    rng = np.random.default_rng(0)
+    wanted = {"train": (train_files, 2000), "val": (1, 482), "test": (0, 0)}
+    written = {split: 0 for split in wanted}
+    for i in range(10_000):
+        name = f"doc{i:04d}.txt"
+        split = split_of(name, 0.05, 0.05)
+        count, size = wanted[split]
+        if written[split] < count:
+            (root / name).write_bytes(rng.integers(32, 127, size, dtype=np.uint8).tobytes())
+            written[split] += 1
+        if all(written[s] == wanted[s][0] for s in wanted):
+            return root
+    raise AssertionError(f"no names hashed into every split: {written}")
+
+
+@pytest.fixture(scope="module")
+def small_val_study(tmp_path_factory) -> tuple[Path, Path, subprocess.CompletedProcess]:
+    folder = tmp_path_factory.mktemp("small-val")
+    corpus = corpus_with_one_small_val_file(folder / "corpus")
+    out = folder / "study"
+    proc = subprocess.run(command(*SMALL_VAL, "--data.root", str(corpus), "--data.cache_dir", str(folder / "cache"),
+                                  "--out", str(out)), cwd=REPO, capture_output=True, encoding="utf-8", timeout=600,
+                          env={**os.environ, "FLEXMOBA_PROGRESS_SECONDS": "0"})
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return corpus, out, proc
+
+
+@pytest.mark.slow
+def test_the_report_counts_what_the_final_validation_read_not_the_limit(small_val_study):
+    _, out, proc = small_val_study
+    report = (out / "results.md").read_text()
+    assert "32 batches" not in report and "8 batches" not in report, report
+    assert ("Final validation read 1 batch, 3 sequences, 384 tokens per run (all the validation split holds: fewer "
+            "than --final_val_batches 32)") in report, report
+    closing = proc.stdout.strip().splitlines()[-1]
+    assert closing.startswith("flexmoba: compare done: ") and "(1 batch, 3 sequences, 384 tokens)" in closing, closing
+    read = {"batches": 1, "sequences": 3, "tokens": 3 * 128}  # the split's one file: what the validation can read
+    results = json.loads((out / "results.json").read_text())["results"]
+    assert [r["final_validation"] for r in results] == [read, read], results
+    assert [r["validation_during_fit"] for r in results] == [read, read], results
+    assert [r["train_tokens"] for r in results] == [2 * 4 * 128] * 2, results  # 2 steps x 4 sequences x 128 bytes
+    assert all(r["tokens_per_second"] > 0 and r["train_seconds"] > 0 for r in results), results
+
+
+@pytest.mark.slow
+def test_a_study_says_once_at_the_start_what_data_it_reads_and_how_to_lift_its_cap(small_val_study):
+    corpus, _, proc = small_val_study
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("flexmoba: data: ")]
+    assert lines == [
+        f"flexmoba: data: 9 files under {corpus} (*.txt), sequences of 128 bytes: train 8 files, 16,000 bytes, "
+        "120 sequences; val 1 file, 482 bytes, 3 sequences; test 0 files, 0 bytes, 0 sequences",
+        "flexmoba: data: max_files 8 keeps 9 of the 31 files long enough; pass --data.max_files null to use them all",
+    ], proc.stderr[-3000:]
+    assert proc.stderr.index(lines[0]) < proc.stderr.index("flexmoba: step 1/2"), "said after training started"
+
+
+@pytest.mark.slow
+def test_a_study_whose_moba_cannot_be_sparse_says_so_at_the_start_and_in_its_report(small_val_study):
+    _, out, proc = small_val_study
+    assert proc.stderr.splitlines().count(NOT_SPARSE) == 1, proc.stderr[-3000:]
+    assert proc.stderr.index(NOT_SPARSE) < proc.stderr.index("flexmoba: step 1/2"), "said after training started"
+    report = (out / "results.md").read_text()
+    assert ("**Note:** MoBA at seq_len 128 with chunk_size 64 × top_k 2 attends every earlier key (equals full "
+            "attention); lower chunk_size or top_k to make it sparse: the moba row is full attention here.") in report
+
+
+@pytest.mark.slow
+def test_a_study_into_a_pipe_prints_progress_for_training_and_for_every_validation(small_val_study):
+    _, _, proc = small_val_study
+    lines = proc.stderr.splitlines()
+    training = [line for line in lines if re.fullmatch(r"flexmoba: step [12]/2: loss \d+\.\d{4}, [\d,]+ tokens/s, "
+                                                        r"\d+(s|m \d\ds) left", line)]
+    validation = [line for line in lines if re.fullmatch(r"flexmoba: validation batch 1/1: [\d,]+ tokens/s, 0s left",
+                                                          line)]
+    assert len(training) == 4, lines  # 2 steps x 2 runs
+    assert len(validation) == 6, lines  # per run: after steps 1 and 2, and the final validation
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_a_study_with_the_step_reached_and_the_command_that_resumes(tmp_path, corpus_cache):
+    args = [*TINY, "--trainer.max_steps", "100000", "--checkpoint.every_n_train_steps", "2",
+            "--data.cache_dir", str(corpus_cache), "--out", str(tmp_path / "study")]
+    proc = subprocess.Popen(command(*args), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            encoding="utf-8", preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    checkpoints = tmp_path / "study" / "moba" / "seed1337" / "checkpoints"
+    deadline = time.time() + 300
+    while not list(checkpoints.glob("step*.ckpt")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    said = re.fullmatch(r"flexmoba: interrupted at step (\d+) of (\S+) \(resumes from step (\d+)\); resume with: (.*)",
+                        last)
+    assert said, stderr[-3000:]
+    assert int(said[3]) <= int(said[1]) and said[2] == str(tmp_path / "study" / "moba" / "seed1337")
+    assert said[4] == shlex.join(["flexmoba", "compare", *args]), said[4]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]

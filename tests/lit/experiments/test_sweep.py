@@ -267,3 +267,32 @@ def test_two_process_sweep_writes_the_runs_of_a_one_process_sweep(tmp_path, corp
     spec["seq_len"] = 64
     changed = sweep(2, timeout=180)
     assert changed.returncode != 0 and "finished under other settings" in changed.stderr
+
+
+def test_a_sweep_names_each_attention_whose_moba_cannot_be_sparse():
+    from lit.experiments.sweep import moba_notes
+
+    spec = SweepSpec(out_dir="unused", seq_len=512, sizes=[ModelSize("s0", 2, 32, 2), ModelSize("s1", 2, 64, 2)],
+                     attention={"wide": {"attention": "moba", "moba": {"chunk_size": 256, "top_k": 2}},
+                                "sparse": {"attention": "moba", "moba": {"chunk_size": 64, "top_k": 3}},
+                                "full": {"attention": "full"}})
+    assert moba_notes(spec) == ["note: wide: MoBA at seq_len 512 with chunk_size 256 × top_k 2 attends every earlier "
+                                "key (equals full attention); lower chunk_size or top_k to make it sparse"]
+
+
+@pytest.mark.slow
+def test_a_sweep_says_once_at_the_start_what_data_it_reads_and_which_moba_cannot_be_sparse(tmp_path, corpus_cache):
+    spec = yaml.safe_load(tiny_spec(tmp_path, corpus_cache).read_text())
+    spec["attention"] = {"wide": {"attention": "moba", "moba": {"chunk_size": 64, "top_k": 2, "backend": "sdpa"}}}
+    (tmp_path / "wide.yaml").write_text(yaml.safe_dump(spec))
+    proc = subprocess.run([sys.executable, "-m", "lit.cli.main", "sweep", str(tmp_path / "wide.yaml")], cwd=REPO,
+                          capture_output=True, encoding="utf-8", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    note = ("flexmoba: note: wide: MoBA at seq_len 128 with chunk_size 64 × top_k 2 attends every earlier key "
+            "(equals full attention); lower chunk_size or top_k to make it sparse")
+    data = [line for line in lines if line.startswith("flexmoba: data: ")]
+    assert lines.count(note) == 1 and len(data) == 2, lines  # two runs, said once
+    assert data[0].startswith("flexmoba: data: ") and "sequences of 128 bytes: train 6 files" in data[0], data
+    assert data[1].startswith("flexmoba: data: max_files 6 keeps ") and data[1].endswith(
+        "long enough; add --data.max_files=null to the sweep config's cli_args to use them all"), data

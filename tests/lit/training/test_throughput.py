@@ -157,6 +157,18 @@ def test_throughput_waits_for_the_device_only_when_it_logs(monkeypatch):
         assert metrics["throughput/train/device/flops_per_sec"] == pytest.approx(1000.0)
 
 
+def test_the_steps_after_the_last_log_step_are_counted_when_the_fit_ends(monkeypatch):
+    """12 steps logged every 5: the counters end at 12 batches (a report reads a run's tokens from them)."""
+    trainer = L.Trainer(max_steps=12, log_every_n_steps=5, callbacks=[ModelFlopsThroughput()],
+                        logger=(logger := MetricsLogger()), enable_progress_bar=False, enable_checkpointing=False,
+                        enable_model_summary=False, accelerator="cpu")
+    monkeypatch.setattr(throughput, "perf_counter", lambda: float(trainer.global_step))
+    trainer.fit(CountingModule())
+    logged = [metrics for _, metrics in logger.rows if "throughput/train/batches" in metrics]
+    assert [metrics["throughput/train/batches"] for metrics in logged] == [5, 10, 12]
+    assert logged[-1]["throughput/train/lengths"] == 12 * 4 * 8 and logged[-1]["throughput/train/time"] == 12.0
+
+
 class ValidatingModule(CountingModule):
     """:class:`CountingModule` with 3 validation batches; ``validations`` counts finished validations."""
 

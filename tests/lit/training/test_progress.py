@@ -1,0 +1,94 @@
+"""What a run says besides its metrics: progress lines when stdout is not a terminal, and a MoBA that cannot be
+sparse. (The lines of real runs are checked in tests/lit/cli/test_console.py and tests/lit/experiments.)"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flexmoba import MobaSpec
+from flexmoba.model import ModelConfig
+from lit.training import progress
+from lit.training.errors import UsageError
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def fake_trainer(step: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(global_step=step, max_steps=100, estimated_stepping_batches=100, world_size=2,
+                           callback_metrics={}, num_val_batches=[32], sanity_checking=False,
+                           state=SimpleNamespace(fn="fit"))
+
+
+def test_a_progress_line_comes_at_least_every_interval_and_no_sooner(capsys):
+    clock = Clock()
+    lines = progress.ProgressLines(60, clock)
+    trainer, module = fake_trainer(), SimpleNamespace()
+    batch = (torch.zeros(4, 128, dtype=torch.long), torch.zeros(4, 128, dtype=torch.long))
+    lines.on_train_start(trainer, module)
+    for step in range(1, 11):  # a step every 10 s: a line at 60 s, none before
+        clock.now += 10
+        trainer.global_step = step
+        lines.on_train_batch_end(trainer, module, {"loss": torch.tensor(2.5)}, batch, step - 1)
+    assert capsys.readouterr().err.splitlines() == [
+        "flexmoba: step 6/100: loss 2.5000, 102 tokens/s, 15m 40s left"]  # 6 x 512 x 2 processes / 60 s
+    lines.on_validation_start(trainer, module)
+    for _ in range(3):  # a slow validation is not mute either: 50 s a batch
+        clock.now += 50
+        lines.on_validation_batch_end(trainer, module, None, batch, 0)
+    assert capsys.readouterr().err.splitlines() == [
+        "flexmoba: validation batch 1/32: 20 tokens/s, 25m 50s left",  # 90 s after the last line
+        "flexmoba: validation batch 3/32: 20 tokens/s, 24m 10s left"]
+    lines.on_validation_end(trainer, module)
+    clock.now += 60
+    trainer.global_step = 11
+    lines.on_train_batch_end(trainer, module, {"loss": torch.tensor(2.0)}, batch, 10)
+    # the 150 s of validation are not training time: 11 steps in 160 s
+    assert capsys.readouterr().err.splitlines() == ["flexmoba: step 11/100: loss 2.0000, 70 tokens/s, 21m 35s left"]
+
+
+@pytest.mark.parametrize("given, seconds", [(None, 60.0), ("", 60.0), ("0", 0.0), ("2.5", 2.5)])
+def test_the_interval_comes_from_the_environment(given, seconds, monkeypatch):
+    if given is None:
+        monkeypatch.delenv(progress.PROGRESS_SECONDS, raising=False)
+    else:
+        monkeypatch.setenv(progress.PROGRESS_SECONDS, given)
+    assert progress.progress_seconds() == seconds
+
+
+@pytest.mark.parametrize("given", ["soon", "-1", "nan"])
+def test_an_interval_that_is_not_seconds_names_the_variable(given, monkeypatch):
+    monkeypatch.setenv(progress.PROGRESS_SECONDS, given)
+    with pytest.raises(UsageError, match=f"FLEXMOBA_PROGRESS_SECONDS: must be a number of seconds >= 0, got '{given}'"):
+        progress.progress_seconds()
+
+
+def test_progress_lines_are_added_when_stdout_is_not_a_terminal(monkeypatch):
+    monkeypatch.delenv(progress.PROGRESS_SECONDS, raising=False)
+    for interactive, added in [(True, 0), (False, 1)]:
+        trainer = SimpleNamespace(callbacks=[])
+        progress.with_own_display(trainer, interactive=interactive)
+        assert sum(isinstance(c, progress.ProgressLines) for c in trainer.callbacks) == added
+
+
+@pytest.mark.parametrize("seq_len, chunk_size, top_k, attention, says", [
+    (128, 64, 2, "moba", True),   # 64 x 2 = 128: every earlier key is in a selected chunk
+    (128, 256, 3, "moba", True),
+    (129, 64, 2, "moba", False),  # the last query skips a chunk
+    (128, 64, 2, "full", False),
+])
+def test_moba_that_cannot_be_sparse_is_named(seq_len, chunk_size, top_k, attention, says):
+    config = ModelConfig(n_layers=2, d_model=32, n_heads=2, attention=attention, moba=MobaSpec(chunk_size, top_k))
+    note = progress.moba_note(config, seq_len)
+    if not says:
+        assert note is None
+        return
+    assert note == (f"note: MoBA at seq_len {seq_len} with chunk_size {chunk_size} × top_k {top_k} attends every "
+                    "earlier key (equals full attention); lower chunk_size or top_k to make it sparse")
+    assert config.attention_sparsity(seq_len) == 0.0  # what the note says, by the model's own count
