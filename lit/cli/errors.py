@@ -17,8 +17,11 @@ import shlex
 import sys
 from typing import NoReturn
 
+from lit.cli.console import quiet_console
 from lit.training.errors import ConfigError, RunInterrupted, TrainingDiverged, UsageError, is_rank_zero
+from lit.training.interrupts import interrupt_requests
 from lit.training.options import with_suggestion
+from lit.training.process_group import process_group_destroyed_at_end
 
 PARSER_KEY = re.compile(r'^\s*(?:- )?Parser key "([^"]+)":\s*(.*)$')
 EXPECTED_TYPE = re.compile(r"^Expected a <class '(\w+)'>\. Got value: (.*)$")
@@ -131,3 +134,12 @@ def one_line_errors(command: list[str] | None = None):
             sys.stderr.write(f"flexmoba: {interrupted_line(said, command or ['flexmoba', *sys.argv[1:]])}\n")
             sys.stderr.flush()
         raise SystemExit(INTERRUPTED) from None
+
+
+@contextlib.contextmanager
+def command_scope(command: list[str]):
+    """What every ``flexmoba`` subcommand runs inside: the quiet console, the one-line ending
+    (:func:`one_line_errors`), Ctrl-C that is never lost (:func:`lit.training.interrupts.interrupt_requests`)
+    and the end of any process group it made (:func:`lit.training.process_group.process_group_destroyed_at_end`)."""
+    with quiet_console(), one_line_errors(command), process_group_destroyed_at_end(), interrupt_requests():
+        yield

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import sys
 
-from lit.cli.console import quiet_console
-from lit.cli.errors import one_line_errors
+from lit.cli.errors import command_scope
 
 
 def main(args: list[str] | None = None) -> None:
     """Run ``args`` (default: this process's command line) as ``flexmoba fit | validate | test | predict``."""
-    with quiet_console(), one_line_errors(["flexmoba", *(sys.argv[1:] if args is None else args)]):
+    command = ["flexmoba", *(sys.argv[1:] if args is None else args)]
+    with command_scope(command):
         from lit.training.launch import run_cli
 
         run_cli(args)

@@ -17,8 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lit.cli.console import quiet_console
-from lit.cli.errors import fail, one_line_errors
+from lit.cli.errors import command_scope, fail
 
 LIGHTNING = ("fit", "validate", "test", "predict")
 TRAIN_EXTRA = ("lightning", "torchmetrics", "jsonargparse", "yaml", "matplotlib", "tensorboard", "rich")
@@ -102,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         hint = f"; did you mean {close[0]}?" if close else "; flexmoba --help lists them"
         fail(f"unknown subcommand {name!r}{hint}")
     try:
-        with quiet_console(), one_line_errors(["flexmoba", name, *rest]):
+        with command_scope(["flexmoba", name, *rest]):
             run_subcommand(name, rest)
     except ModuleNotFoundError as error:
         if error.name not in TRAIN_EXTRA:

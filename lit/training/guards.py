@@ -5,7 +5,10 @@
   checkpoint written after it, so none holds weights from a bad step.
 - :class:`SafeModelCheckpoint` never saves on a divergence, even with ``save_on_exception``.
 - :class:`AtomicCheckpointIO` writes each checkpoint to a temporary name in the same folder,
-  fsyncs it and renames it over the old one, so a kill or a full disk never leaves half a file.
+  fsyncs it and renames it over the old one, so a kill or a full disk never leaves half a file; a Ctrl-C
+  while it writes waits for the whole file.
+- :class:`InterruptAtBatchBoundaries` stops the run at the next batch once Ctrl-C was pressed, even when
+  the first KeyboardInterrupt was swallowed.
 - :func:`newest_intact_checkpoint` picks the checkpoint ``--ckpt_path last`` can resume from.
 """
 
@@ -24,6 +27,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lit.training import metric_names
 from lit.training.errors import TrainingDiverged
 from lit.training.grad_norm import step_grad_norm
+from lit.training.interrupts import installed_requests, interrupts_deferred
 
 
 def gradients_are_loss_scaled(trainer: L.Trainer) -> bool:
@@ -117,6 +121,32 @@ class DivergenceGuard(L.Callback):
         raise TrainingDiverged(step, WATCHED[int(self.first.what)], float(self.first.value))
 
 
+class InterruptAtBatchBoundaries(L.Callback):
+    """A Ctrl-C whose KeyboardInterrupt something swallowed (a ``__del__`` running when it came) stops the run
+    at the next batch boundary (:mod:`lit.training.interrupts`)."""
+
+    @staticmethod
+    def check() -> None:
+        requests = installed_requests()
+        if requests is not None:
+            requests.raise_if_requested()
+
+    def on_train_batch_start(self, *_, **__) -> None:
+        self.check()
+
+    def on_train_batch_end(self, *_, **__) -> None:
+        self.check()
+
+    def on_validation_batch_start(self, *_, **__) -> None:
+        self.check()
+
+    def on_test_batch_start(self, *_, **__) -> None:
+        self.check()
+
+    def on_predict_batch_start(self, *_, **__) -> None:
+        self.check()
+
+
 class SafeModelCheckpoint(ModelCheckpoint):
     """ModelCheckpoint that saves nothing when training diverged (the weights may be broken)."""
 
@@ -142,16 +172,17 @@ def atomic_torch_save(obj, path: str | os.PathLike) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    with interrupts_deferred():  # Ctrl-C waits for the file in its place
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_dir(path.parent)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -49,6 +49,7 @@ from lit.training.errors import ConfigError, RunInterrupted, UsageError, is_rank
 from lit.training.guards import (
     AtomicCheckpointIO,
     DivergenceGuard,
+    InterruptAtBatchBoundaries,
     SafeModelCheckpoint,
     checkpoint_problem,
     newest_intact_checkpoint,
@@ -525,6 +526,7 @@ class FlexMobaCLI(LightningCLI):
         if not trainer_config.get("plugins") and "plugins" not in kwargs:
             kwargs["plugins"] = [AtomicCheckpointIO()]
         trainer = super().instantiate_trainer(**kwargs)
+        trainer.callbacks.append(InterruptAtBatchBoundaries())
         if trainer.strategy.root_device.type == "cpu":
             keep_freed_memory()  # page faults on every step's temporaries otherwise (flexmoba/host_memory.py)
         return with_own_display(trainer, self.start)
