@@ -39,6 +39,8 @@ class Tuning:
         group_scores: causal scores per group of query chunks; groups grow as
             ``sqrt(causal scores / group_scores)``.
         span_scores: the same for spans of positions (documents, context parallelism, decoding).
+        gate_buffer_scores: the most scores one group or span holds at once (more groups or spans
+            when needed, past ``max_query_groups``): the gate's memory stays linear in S.
         spans_read_host: spans of positions get their chunk bounds from a host read (tighter
             spans; off CPU a device sync, so there one span of every chunk).
         few_scores: up to this many scores, each slot's maximum comes from ``max`` with indices.
@@ -59,6 +61,7 @@ class Tuning:
     max_query_groups: int = 16
     group_scores: int = 2**19
     span_scores: int = 2**16
+    gate_buffer_scores: int = 2**26
     spans_read_host: bool = False
     few_scores: int = 2**14
     pooled_maxima: bool = False
@@ -72,7 +75,7 @@ class Tuning:
 # call from 512 tokens; the union BlockMask is exactly sparse and fastest at length for tiles.
 PROFILES: dict[str, Tuning] = {
     "cpu": Tuning(auto_gather_min_seq=512, auto_tile_flex_min_seq=4096, spans_read_host=True,
-                  pooled_maxima=True, gather_fused_kernel=True),
+                  gate_buffer_scores=2**22, pooled_maxima=True, gather_fused_kernel=True),
     "cuda": Tuning(),
 }
 DEFAULT_PROFILE = "cuda"  # other accelerators: flex, amax passes

@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 
 from flexmoba import dense_moba_mask, moba_selection, select_chunks
+from flexmoba.gate.selection import position_spans, query_chunk_groups
 from flexmoba.tuning import use_tuning
 
 import oracle
@@ -58,6 +59,17 @@ def test_selection_in_one_group_per_query_chunk_equals_oracle(problem):
     """Small problems score all query chunks as one group; this scores each apart (up to 16 groups, or
     spans of positions with documents)."""
     with use_tuning("cpu", group_scores=1, span_scores=1):
+        got = dense_moba_mask(select_chunks(problem.q, problem.k, **problem.kwargs))
+    assert torch.equal(got, oracle.dense_mask(problem.q, problem.k, **problem.kwargs)), problem
+
+
+@pytest.mark.parametrize("profile", ["cpu", "cuda"])
+@with_examples()
+@given(problems())
+def test_selection_within_a_one_score_buffer_equals_oracle(profile, problem):
+    """The memory bound at its extreme: one query chunk per group, one position per span (with the
+    bounds read from the host on CPU, spans of every chunk without)."""
+    with use_tuning(profile, gate_buffer_scores=1):
         got = dense_moba_mask(select_chunks(problem.q, problem.k, **problem.kwargs))
     assert torch.equal(got, oracle.dense_mask(problem.q, problem.k, **problem.kwargs)), problem
 
@@ -290,3 +302,28 @@ def test_cpu_max_pool2d_returns_the_first_row_of_equal_maxima(rows):
     best, index = torch.nn.functional.max_pool2d(planes, (rows, 1), return_indices=True)
     assert index.flatten().tolist() == [0, 1, rows - 1]
     assert best.flatten().tolist() == [1.0, 1.0, rows - 1.0]
+
+
+@pytest.mark.parametrize("n_chunks, pair_scores", [(2048, 512), (2048, 32 * 512), (64, 4 * 512), (3, 1), (2, 7)])
+@pytest.mark.parametrize("budget", [1, 2**22, 2**26])
+def test_query_chunk_groups_tile_every_query_chunk_within_the_buffer(n_chunks, pair_scores, budget):
+    """Groups cover chunks 1 .. N-1 once, in order; each group's buffer (its chunks against every chunk
+    before its last) fits the budget unless the group is one query chunk, the least there is."""
+    with use_tuning("cpu", gate_buffer_scores=budget) as tuning:
+        groups = query_chunk_groups(n_chunks, pair_scores, tuning)
+    assert [c for first, end in groups for c in range(first, end)] == list(range(1, n_chunks))
+    for first, end in groups:
+        assert end - first == 1 or pair_scores * (end - first) * (end - 1) <= budget, (first, end)
+
+
+@pytest.mark.parametrize("profile", ["cpu", "cuda"])
+def test_position_spans_keep_every_span_within_the_buffer(profile):
+    """1M positions (B 1, 32 heads, 2048 chunks): far past 16 spans, each span's scores of every chunk within
+    the budget, the positions covered once (on CPU from the first with a past chunk: chunk 0's select none)."""
+    S, heads, n_chunks = 2**20, 32, 2048
+    own = (torch.arange(S) // 512)[None]
+    with use_tuning(profile) as tuning:
+        spans = position_spans(own, heads, n_chunks)
+    assert spans[0][0] <= 512 and spans[-1][1] == S and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert len(spans) > 16
+    assert max(heads * (end - start) * n_chunks for start, end, _, _ in spans) <= tuning.gate_buffer_scores

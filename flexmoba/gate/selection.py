@@ -25,15 +25,19 @@ from flexmoba.tuning import Tuning, tuning_for
 __all__ = ["position_spans", "select_before_chunk", "select_past_chunks", "select_past_chunks_on_grid"]
 
 
-def query_chunk_groups(n_chunks: int, causal_scores: int, tuning: Tuning) -> list[tuple[int, int]]:
+def query_chunk_groups(n_chunks: int, pair_scores: int, tuning: Tuning) -> list[tuple[int, int]]:
     """``[(first, end), ...]``: the query chunks ``1 .. n_chunks - 1`` (chunk 0 has no past) in consecutive
-    groups, as many as ``causal_scores`` (the scores of the causal part) is worth.
+    groups of equal size; ``pair_scores`` is the scores of one query chunk against one candidate chunk.
 
     g groups compute the causal part of the scores and about 1/g of it again; each group costs a fixed
-    run of small calls, so the best g grows as ``sqrt(causal scores / group_scores)``.
+    run of small calls, so the best g grows as ``sqrt(causal scores / group_scores)``, up to
+    ``max_query_groups``. Memory bounds the size too: a group scores every chunk before its last, so
+    its buffer holds at most ``gate_buffer_scores`` (one query chunk each at least; linear in S).
     """
+    causal_scores = pair_scores * n_chunks * (n_chunks - 1) // 2
     n_groups = min(tuning.max_query_groups, n_chunks - 1, max(1, round(math.sqrt(causal_scores / tuning.group_scores))))
     size = -(-(n_chunks - 1) // n_groups)
+    size = max(1, min(size, tuning.gate_buffer_scores // (pair_scores * (n_chunks - 1))))
     return [(first, min(first + size, n_chunks)) for first in range(1, n_chunks, size)]
 
 
@@ -55,7 +59,7 @@ def select_past_chunks_on_grid(
     chunks[..., :rows_per_chunk].zero_()
     valid = rows.new_zeros((B, H_kv, H // H_kv, P, R), dtype=torch.bool)
     by_column = rows.view(B, H_kv, H // H_kv, R, D).transpose(-1, -2)  # [B, H_kv, g, D, R], a view
-    groups = query_chunk_groups(N, B * H * R * (N - 1) // 2, tuning_for(rows.device)) if P else []
+    groups = query_chunk_groups(N, B * H * rows_per_chunk, tuning_for(rows.device)) if P else []
     spans = [(first, end, slice(first * rows_per_chunk, min(end * rows_per_chunk, R))) for first, end in groups]
     # One buffer for every group's scores: fresh ones per group cost page faults on CPU.
     largest = max((B * H * (end - 1) * (columns.stop - columns.start) for _, end, columns in spans), default=0)
@@ -157,15 +161,19 @@ def position_spans(own: torch.Tensor, heads: int, n_global: int,
     chunks ``[low, high)`` any of them may select (``own, first: [B, S]``, over the batch; ``first``
     None: 0). As many spans as the causal part of the scores is worth (see
     :func:`query_chunk_groups`) where the profile reads the bounds from the host; otherwise, and
-    when one span is worth it, one span of every chunk, whose bounds need no host read."""
+    when one span is worth it, spans of every chunk, whose bounds need no host read. Either way at
+    least as many spans as keep each one's scores of every chunk within ``gate_buffer_scores``."""
     B, S = own.shape
     tuning = tuning_for(own.device)
-    n_spans = min(tuning.max_query_groups, S,
-                  max(1, round(math.sqrt(B * heads * S * n_global / 2 / tuning.span_scores))))
-    if n_spans == 1 or not tuning.spans_read_host:
-        return [(0, S, 0, n_global)]
+    every_chunk_scores = B * heads * S * n_global
+    n_spans = min(tuning.max_query_groups, S, max(1, round(math.sqrt(every_chunk_scores / 2 / tuning.span_scores))))
+    if not tuning.spans_read_host:
+        n_spans = 1
+    n_spans = max(n_spans, min(S, -(-every_chunk_scores // tuning.gate_buffer_scores)))  # memory: linear in S
     bounds = [S * i // n_spans for i in range(n_spans + 1)]
     edges = list(zip(bounds[:-1], bounds[1:], strict=True))
+    if not tuning.spans_read_host or n_spans == 1:
+        return [(start, end, 0, n_global) for start, end in edges]
     high = torch.stack([own[:, start:end].max() for start, end in edges])
     low = torch.zeros_like(high) if first is None else torch.stack([first[:, start:end].min() for start, end in edges])
     lows, highs = torch.stack([low, high]).tolist()  # the host read
