@@ -75,7 +75,7 @@ class Tuning:
 # call from 512 tokens; the union BlockMask is exactly sparse and fastest at length for tiles.
 PROFILES: dict[str, Tuning] = {
     "cpu": Tuning(auto_gather_min_seq=512, auto_tile_flex_min_seq=4096, spans_read_host=True,
-                  gate_buffer_scores=2**22, pooled_maxima=True, gather_fused_kernel=True),
+                  gate_buffer_scores=2**23, pooled_maxima=True, gather_fused_kernel=True),
     "cuda": Tuning(),
 }
 DEFAULT_PROFILE = "cuda"  # other accelerators: flex, amax passes
