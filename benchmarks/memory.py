@@ -1,0 +1,156 @@
+"""Peak memory of each MoBA path by sequence length, each measurement in a fresh process.
+
+Random fp32 inputs ``q: [1, H, S, D]``, ``k, v: [1, H_kv, S, D]``; MoBA at ``chunk_size`` / ``top_k``. A
+measurement is the peak resident memory of one call over what the process held once its inputs existed
+(:func:`benchmarks.common.peak_extra_mb`), and the call's wall time. Paths:
+
+- ``gate``: :func:`flexmoba.select_chunks` (the Selection it returns included);
+- ``gather_fwd``, ``gather_fwd_bwd``: :func:`flexmoba.moba_attention` with ``backend="gather"``, without
+  gradients, and forward plus ``backward`` of its sum (q, k, v's gradients included);
+- ``flex_plan``: :func:`flexmoba.moba_flex_plan` (the regrouped plan's tables and masks);
+- ``block_mask``: :func:`flexmoba.moba_block_mask` (the union BlockMask);
+- ``decode``: one decoding step (one new token) after an S-token prefill of a
+  :class:`flexmoba.MoBAKVCache`; the cache's own bytes are reported apart.
+
+Each doubling of S should grow a path's peak at most 2.2x (memory linear in S); the report fits
+``peak = a * S + b`` per path (least squares over its points) and gives each point's error against the fit.
+
+    flexmoba bench memory [--paths gate gather_fwd ...] [--seq_lens 32768 ... 1048576] [--heads 1] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import DEFAULT_OUT, OneLineArgumentParser, finish_report, peak_extra_mb, print_row
+
+PATHS = ("gate", "gather_fwd", "gather_fwd_bwd", "flex_plan", "block_mask", "decode")
+SEQ_LENS = [2**15, 2**16, 2**17, 2**18, 2**19, 2**20]
+COLUMNS = [("path", "path"), ("seq_len", "S"), ("heads", "H"), ("peak_mib", "peak (MiB)"),
+           ("growth", "x per doubling"), ("fit_mib", "fit (MiB)"), ("fit_error", "fit error"),
+           ("seconds", "seconds"), ("cache_mib", "KV cache (MiB)")]
+
+
+def inputs(args, seq_len: int, requires_grad: bool = False):
+    gen = torch.Generator().manual_seed(seq_len)
+    q = torch.randn(1, args.heads, seq_len, args.head_dim, generator=gen)
+    k, v = (torch.randn(1, args.kv_heads, seq_len, args.head_dim, generator=gen) for _ in range(2))
+    return [x.requires_grad_(requires_grad) for x in (q, k, v)]
+
+
+def call_of(args, path: str, seq_len: int):
+    """``(fn, extra)``: the call to measure on fresh inputs, and what to report beside it."""
+    import flexmoba
+
+    spec = flexmoba.MobaSpec(args.chunk_size, args.top_k, backend="gather")
+    q, k, v = inputs(args, seq_len, requires_grad=path == "gather_fwd_bwd")
+    if path == "gate":
+        return lambda: flexmoba.select_chunks(q, k, spec), {}
+    if path == "gather_fwd":
+        return lambda: torch.no_grad()(flexmoba.moba_attention)(q, k, v, spec), {}
+    if path == "gather_fwd_bwd":
+        return lambda: flexmoba.moba_attention(q, k, v, spec).sum().backward(), {}
+    if path == "flex_plan":
+        return lambda: flexmoba.moba_flex_plan(q, k, spec), {}
+    if path == "block_mask":
+        return lambda: flexmoba.moba_block_mask(q, k, spec), {}
+    return decode_step(args, k, v, spec)
+
+
+def decode_step(args, k, v, spec):
+    """One new token's decoding step after the prefill ``k, v``; the cache's bytes beside it."""
+    import flexmoba
+
+    cache = flexmoba.MoBAKVCache(args.chunk_size)
+    cache.update(k, v)
+    new = [x[:, :, -1:].detach().clone() for x in inputs(args, 1)]
+    tensors = [*vars(cache).values(), *vars(cache._sums).values()]
+    cache_bytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+    def step():
+        cache.update(new[1], new[2])
+        with torch.no_grad():
+            flexmoba.moba_decode_attention(new[0], cache, spec)
+    return step, {"cache_mib": cache_bytes / 2**20}
+
+
+def measure_here(args, path: str, seq_len: int) -> dict:
+    """One measurement in this process (the parent runs each in a fresh one)."""
+    fn, extra = call_of(args, path, seq_len)
+    began = time.perf_counter()
+    peak = peak_extra_mb(fn, torch.device("cpu"))
+    return dict(path=path, seq_len=seq_len, heads=args.heads, peak_mib=peak, seconds=time.perf_counter() - began,
+                **extra)
+
+
+def measure_in_fresh_process(args, path: str, seq_len: int) -> dict:
+    command = [sys.executable, "-m", "benchmarks.memory", "--one", path, str(seq_len), *settings(args)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        return dict(path=path, seq_len=seq_len, heads=args.heads, peak_mib=None,
+                    seconds=f"failed: {lines[-1] if lines else done.returncode}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def settings(args) -> list[str]:
+    return ["--heads", str(args.heads), "--kv_heads", str(args.kv_heads), "--head_dim", str(args.head_dim),
+            "--moba_chunk_size", str(args.chunk_size), "--moba_top_k", str(args.top_k)]
+
+
+def fit_linear(rows: list[dict]) -> None:
+    """``fit_mib = a * S + b`` over a path's measured rows (least squares), with each row's relative error;
+    ``growth``: each row's peak over the previous (half as long) one's."""
+    points = [(r["seq_len"], r["peak_mib"]) for r in rows if isinstance(r.get("peak_mib"), float)]
+    for previous, row in zip(rows, rows[1:], strict=False):
+        if row["seq_len"] == 2 * previous["seq_len"] and previous.get("peak_mib") and row.get("peak_mib"):
+            row["growth"] = row["peak_mib"] / previous["peak_mib"]
+    if len(points) < 2:
+        return
+    x = torch.tensor([p[0] for p in points], dtype=torch.float64)
+    y = torch.tensor([p[1] for p in points], dtype=torch.float64)
+    a, b = torch.linalg.lstsq(torch.stack([x, torch.ones_like(x)], 1), y[:, None]).solution[:, 0].tolist()
+    for row in rows:
+        if isinstance(row.get("peak_mib"), float):
+            row["fit_mib"] = a * row["seq_len"] + b
+            row["fit_error"] = f"{100 * (row['fit_mib'] - row['peak_mib']) / row['peak_mib']:+.0f}%"
+            row["bytes_per_token"] = a * 2**20
+
+
+def main(argv=None) -> None:
+    parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS), help="what to measure (default: all)")
+    parser.add_argument("--seq_lens", type=int, nargs="+", default=SEQ_LENS)
+    parser.add_argument("--heads", type=int, default=1)
+    parser.add_argument("--kv_heads", type=int, default=None, help="H_kv (default: --heads)")
+    parser.add_argument("--head_dim", type=int, default=64)
+    parser.add_argument("--moba_chunk_size", dest="chunk_size", type=int, default=512)
+    parser.add_argument("--moba_top_k", dest="top_k", type=int, default=3)
+    parser.add_argument("--one", nargs=2, metavar=("PATH", "S"), help=argparse.SUPPRESS)  # one, in this process
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report folder (committed: benchmarks/results)")
+    args = parser.parse_args(argv)
+    args.kv_heads = args.kv_heads or args.heads
+    torch.set_num_threads(1)
+    if args.one:
+        print(json.dumps(measure_here(args, args.one[0], int(args.one[1]))))
+        return
+    rows = []
+    for path in args.paths:
+        measured = []
+        for seq_len in sorted(args.seq_lens):
+            measured.append(measure_in_fresh_process(args, path, seq_len))
+            print_row(measured[-1], COLUMNS)
+        fit_linear(measured)
+        rows += measured
+    finish_report(f"memory_h{args.heads}", rows, COLUMNS, args.out)
+
+
+if __name__ == "__main__":
+    main()
