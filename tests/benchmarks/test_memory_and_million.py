@@ -5,9 +5,10 @@ import argparse
 import pytest
 import torch
 
-import oracle
 from benchmarks.memory import PATHS, fit_linear, measure_here
 from benchmarks.million import check_rows, reference_row, sampled_rows
+
+import oracle
 
 ARGS = argparse.Namespace(chunk_size=16, top_k=3, heads=2, kv_heads=1, head_dim=8)
 
