@@ -1,7 +1,7 @@
 """Peak memory of each MoBA path by sequence length, each measurement in a fresh process.
 
-Random fp32 inputs ``q: [1, H, S, D]``, ``k, v: [1, H_kv, S, D]``; MoBA at ``chunk_size`` / ``top_k``. A
-measurement is the peak resident memory of one call over what the process held once its inputs existed
+Random inputs (fp32 unless ``--dtype``) ``q: [1, H, S, D]``, ``k, v: [1, H_kv, S, D]``; MoBA at ``chunk_size``
+/ ``top_k``. A measurement is the peak resident memory of one call over what the process held once its inputs existed
 (:func:`benchmarks.common.peak_extra_mb`), and the call's wall time. Paths:
 
 - ``gate``: :func:`flexmoba.select_chunks` (the Selection it returns included);
@@ -40,8 +40,9 @@ COLUMNS = [("path", "path"), ("seq_len", "S"), ("heads", "H"), ("peak_mib", "pea
 
 def inputs(args, seq_len: int, requires_grad: bool = False):
     gen = torch.Generator().manual_seed(seq_len)
-    q = torch.randn(1, args.heads, seq_len, args.head_dim, generator=gen)
-    k, v = (torch.randn(1, args.kv_heads, seq_len, args.head_dim, generator=gen) for _ in range(2))
+    dtype = getattr(torch, args.dtype)
+    q = torch.randn(1, args.heads, seq_len, args.head_dim, generator=gen, dtype=dtype)
+    k, v = (torch.randn(1, args.kv_heads, seq_len, args.head_dim, generator=gen, dtype=dtype) for _ in range(2))
     return [x.requires_grad_(requires_grad) for x in (q, k, v)]
 
 
@@ -102,6 +103,7 @@ def measure_in_fresh_process(args, path: str, seq_len: int) -> dict:
 
 def settings(args) -> list[str]:
     return ["--heads", str(args.heads), "--kv_heads", str(args.kv_heads), "--head_dim", str(args.head_dim),
+            "--dtype", args.dtype,
             "--moba_chunk_size", str(args.chunk_size), "--moba_top_k", str(args.top_k)]
 
 
@@ -131,6 +133,7 @@ def main(argv=None) -> None:
     parser.add_argument("--heads", type=int, default=1)
     parser.add_argument("--kv_heads", type=int, default=None, help="H_kv (default: --heads)")
     parser.add_argument("--head_dim", type=int, default=64)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--moba_chunk_size", dest="chunk_size", type=int, default=512)
     parser.add_argument("--moba_top_k", dest="top_k", type=int, default=3)
     parser.add_argument("--one", nargs=2, metavar=("PATH", "S"), help=argparse.SUPPRESS)  # one, in this process
@@ -149,7 +152,9 @@ def main(argv=None) -> None:
             print_row(measured[-1], COLUMNS)
         fit_linear(measured)
         rows += measured
-    finish_report(f"memory_h{args.heads}", rows, COLUMNS, args.out)
+    shape = f"h{args.heads}" if (args.kv_heads, args.head_dim, args.dtype) == (args.heads, 64, "float32") else \
+        f"h{args.heads}_kv{args.kv_heads}_d{args.head_dim}_{args.dtype}"
+    finish_report(f"memory_{shape}", rows, COLUMNS, args.out)
 
 
 if __name__ == "__main__":

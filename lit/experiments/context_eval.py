@@ -108,6 +108,7 @@ class ContextEvalJob:
         retrieval_depths: where the key sits, as a share of the filler.
         retrieval_trials: keys per (length, depth) cell.
         threads: torch threads (default: torch's).
+        device: where the models run (``cpu``, ``cuda``); results do not depend on it beyond rounding.
         overwrite: replace the records another job left in ``out``.
     """
 
@@ -128,11 +129,12 @@ class ContextEvalJob:
     retrieval_depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
     retrieval_trials: int = 2
     threads: int | None = None
+    device: str = "cpu"
     overwrite: bool = False
 
     def settings(self) -> dict:
         """What fixes the records' meaning (a resumed job must agree on it)."""
-        return {k: v for k, v in asdict(self).items() if k not in ("out", "threads", "overwrite")}
+        return {k: v for k, v in asdict(self).items() if k not in ("out", "threads", "device", "overwrite")}
 
 
 # -- data -------------------------------------------------------------------------------------
@@ -187,19 +189,23 @@ def passkey_prompt(tokenizer, length: int, depth: float, key: int) -> tuple[list
 
 @torch.no_grad()
 def token_losses(model: GPT, ids: list[int]) -> torch.Tensor:
-    """Cross-entropy of each next token, ``[len(ids) - 1]`` fp32."""
-    tokens = torch.tensor(ids, dtype=torch.long)[None]
+    """Cross-entropy of each next token, ``[len(ids) - 1]`` fp32 (on the host)."""
+    tokens = torch.tensor(ids, dtype=torch.long, device=model_device(model))[None]
     logits = model(tokens[:, :-1])[0]
-    return F.cross_entropy(logits.float(), tokens[0, 1:], reduction="none")
+    return F.cross_entropy(logits.float(), tokens[0, 1:], reduction="none").cpu()
+
+
+def model_device(model: GPT) -> torch.device:
+    return next(model.parameters()).device
 
 
 @torch.no_grad()
 def answers(model: GPT, prompt: list[int], answer: list[int]) -> tuple[bool, float]:
     """Whether every answer token is the argmax after the prompt (teacher forced), and the answer's mean loss."""
     ids = prompt + answer
-    tokens = torch.tensor(ids, dtype=torch.long)[None]
+    tokens = torch.tensor(ids, dtype=torch.long, device=model_device(model))[None]
     logits = model(tokens[:, :-1])[0, len(prompt) - 1 :].float()
-    target = torch.tensor(answer)
+    target = torch.tensor(answer, device=logits.device)
     return bool((logits.argmax(-1) == target).all()), float(F.cross_entropy(logits, target))
 
 
@@ -432,6 +438,12 @@ def work_items(job: ContextEvalJob, arms: list[Arm], documents, tokenizer) -> li
 
 
 def check_job(job: ContextEvalJob, checkpoint: dict) -> list[Arm]:
+    try:
+        device = torch.device(job.device)
+    except RuntimeError:
+        raise UsageError("--device", f"{job.device!r} is not a device", "give cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device", "no CUDA device is available here", "give --device cpu")
     arms = [Arm.parse(a) for a in job.arms]
     if not arms:
         raise UsageError("--arms", "no arm given", "give e.g. [full, moba:512:3]")
@@ -457,7 +469,7 @@ def run(job: ContextEvalJob) -> dict:
     out = Path(job.out)
     records_path = claim(out, job.settings(), job.overwrite)
     documents = held_out_documents(job, tokenizer)
-    models = {arm.name: load_model(checkpoint, **arm.overrides()) for arm in arms}
+    models = {arm.name: load_model(checkpoint, job.device, **arm.overrides()) for arm in arms}
     done = {record_key(r) for r in read_records(records_path)}
     items = [(key, score) for key, score in work_items(job, arms, documents, tokenizer) if record_key(key) not in done]
     print(f"context-eval: {len(documents)} documents of the {job.split} split, {len(arms)} arms, "
@@ -472,7 +484,9 @@ def run(job: ContextEvalJob) -> dict:
     return report(job, arms, read_records(records_path), out)
 
 
-def machine_name() -> str:
+def machine_name(device: str = "cpu") -> str:
+    if torch.device(device).type == "cuda":
+        return f"{torch.cuda.get_device_name(torch.device(device))}, torch {torch.__version__}"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -488,7 +502,7 @@ def report(job: ContextEvalJob, arms: list[Arm], records: list[dict], out: Path)
     summary["settings"] = job.settings()
     (out / "results.json").write_text(json.dumps(summary, indent=1))
     line = "flexmoba context-eval " + " ".join(sys.argv[1:])
-    (out / "results.md").write_text(markdown(summary, arms, line, machine_name()))
+    (out / "results.md").write_text(markdown(summary, arms, line, machine_name(job.device)))
     plot(summary, arms, out)
     return summary
 

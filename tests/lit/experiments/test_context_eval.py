@@ -147,3 +147,11 @@ def test_one_arm_alone_reports_its_windows_without_differences(setup, finished, 
     entry = summary["arms"]["moba:16:2"]
     assert "windows_minus_full" not in entry
     assert entry["windows"] == json.loads((finished / "results.json").read_text())["arms"]["moba:16:2"]["windows"]
+
+
+@pytest.mark.parametrize("device, problem", [("gpu9", "is not a device"), ("cuda", "no CUDA device")])
+def test_a_device_it_cannot_use_is_refused_by_name(setup, tmp_path, device, problem):
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(UsageError, match=f"--device: .*{problem}"):
+        context_eval.main([*job_args(setup, tmp_path / "out"), "--device", device])
