@@ -10,10 +10,12 @@ Random inputs (fp32 unless ``--dtype``) ``q: [1, H, S, D]``, ``k, v: [1, H_kv, S
 - ``flex_plan``: :func:`flexmoba.moba_flex_plan` (the regrouped plan's tables and masks);
 - ``block_mask``: :func:`flexmoba.moba_block_mask` (the union BlockMask);
 - ``decode``: one decoding step (one new token) after an S-token prefill of a
-  :class:`flexmoba.MoBAKVCache`; the cache's own bytes are reported apart.
+  :class:`flexmoba.MoBAKVCache` and one more token (which grows its buffers); the cache's own bytes
+  are reported apart.
 
 Each doubling of S should grow a path's peak at most 2.2x (memory linear in S); the report fits
-``peak = a * S + b`` per path (least squares over its points) and gives each point's error against the fit.
+``peak = a * S + b`` per path (least squares over its points from ``--fit_from`` tokens) and gives every
+point's error against the fit.
 
     flexmoba bench memory [--paths gate gather_fwd ...] [--seq_lens 32768 ... 1048576] [--heads 1] [--out DIR]
 """
@@ -72,6 +74,7 @@ def decode_step(args, k, v, spec):
     cache = flexmoba.MoBAKVCache(args.chunk_size)
     cache.update(k, v)
     new = [x[:, :, -1:].detach().clone() for x in inputs(args, 1)]
+    cache.update(new[1], new[2])  # the buffers double now, not inside the measured step
     tensors = [*vars(cache).values(), *vars(cache._sums).values()]
     cache_bytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
@@ -107,10 +110,12 @@ def settings(args) -> list[str]:
             "--moba_chunk_size", str(args.chunk_size), "--moba_top_k", str(args.top_k)]
 
 
-def fit_linear(rows: list[dict]) -> None:
-    """``fit_mib = a * S + b`` over a path's measured rows (least squares), with each row's relative error;
+def fit_linear(rows: list[dict], fit_from: int = 0) -> None:
+    """``fit_mib = a * S + b`` by least squares over a path's rows from ``fit_from`` tokens on (below, bounded
+    buffers such as the gate's and gather's batched pairs are not yet full), each row's relative error to it;
     ``growth``: each row's peak over the previous (half as long) one's."""
-    points = [(r["seq_len"], r["peak_mib"]) for r in rows if isinstance(r.get("peak_mib"), float)]
+    points = [(r["seq_len"], r["peak_mib"]) for r in rows
+              if isinstance(r.get("peak_mib"), float) and r["seq_len"] >= fit_from]
     for previous, row in zip(rows, rows[1:], strict=False):
         if row["seq_len"] == 2 * previous["seq_len"] and previous.get("peak_mib") and row.get("peak_mib"):
             row["growth"] = row["peak_mib"] / previous["peak_mib"]
@@ -137,6 +142,7 @@ def main(argv=None) -> None:
     parser.add_argument("--moba_chunk_size", dest="chunk_size", type=int, default=512)
     parser.add_argument("--moba_top_k", dest="top_k", type=int, default=3)
     parser.add_argument("--one", nargs=2, metavar=("PATH", "S"), help=argparse.SUPPRESS)  # one, in this process
+    parser.add_argument("--fit_from", type=int, default=2**17, help="fit the points from this S on (default: 131072)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report folder (committed: benchmarks/results)")
     args = parser.parse_args(argv)
     args.kv_heads = args.kv_heads or args.heads
@@ -150,7 +156,7 @@ def main(argv=None) -> None:
         for seq_len in sorted(args.seq_lens):
             measured.append(measure_in_fresh_process(args, path, seq_len))
             print_row(measured[-1], COLUMNS)
-        fit_linear(measured)
+        fit_linear(measured, args.fit_from)
         rows += measured
     shape = f"h{args.heads}" if (args.kv_heads, args.head_dim, args.dtype) == (args.heads, 64, "float32") else \
         f"h{args.heads}_kv{args.kv_heads}_d{args.head_dim}_{args.dtype}"
