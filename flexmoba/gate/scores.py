@@ -54,13 +54,15 @@ def tile_mean_queries(q: torch.Tensor, layout: ChunkLayout, tile: int) -> torch.
 
 
 def gate_rows(q: torch.Tensor, layout: ChunkLayout, granularity) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The queries the gate scores: ``(rows [B, H, R, D] fp32, own chunk [B, R], positions per row)``.
+    """The queries the gate scores: ``(rows [B, H, R, D], own chunk [B, R], positions per row)``.
 
-    One row per token, except for tiles without documents: one row per tile (its mean
-    query), whose selection every query of the tile then shares.
+    One row per token (q itself, in its dtype: the selection scores it in fp32 a group of rows at a
+    time, so a bf16 q never has a whole fp32 copy), except for tiles: one fp32 row per tile (its mean
+    query; with documents, every query replaced by its tile's mean), whose selection every query of the
+    tile then shares.
     """
     if granularity == "token":
-        return q.float(), layout.local_chunk, 1
+        return q, layout.local_chunk, 1
     if layout.has_documents:
         return tile_mean_queries(q, layout, granularity), layout.local_chunk, 1
     rows = window_means(q, granularity)

@@ -47,8 +47,9 @@ def select_past_chunks_on_grid(
     """:func:`select_past_chunks` for a layout without documents, where row r's own chunk is
     ``r // rows_per_chunk``: groups of whole query chunks, each scoring the chunks before its last.
 
-    ``rows: [B, H, R, D]`` fp32, ``means: [B, H_kv, N, D]`` fp32. Returns ``(indices, valid)``, each
-    ``[B, H, R, P]`` with ``P = min(top_k - 1, N - 1)``, in :func:`select_past_chunks`' order.
+    ``rows: [B, H, R, D]`` (scored in fp32 a group at a time), ``means: [B, H_kv, N, D]`` fp32. Returns
+    ``(indices, valid)``, each ``[B, H, R, P]`` with ``P = min(top_k - 1, N - 1)``, in
+    :func:`select_past_chunks`' order.
     """
     B, H, R, D = rows.shape
     H_kv, N = means.shape[1], means.shape[2]
@@ -63,12 +64,12 @@ def select_past_chunks_on_grid(
     spans = [(first, end, slice(first * rows_per_chunk, min(end * rows_per_chunk, R))) for first, end in groups]
     # One buffer for every group's scores: fresh ones per group cost page faults on CPU.
     largest = max((B * H * (end - 1) * (columns.stop - columns.start) for _, end, columns in spans), default=0)
-    scores_buffer = rows.new_empty(largest)
+    scores_buffer = rows.new_empty(largest, dtype=torch.float32)
     for first, end, columns in spans:
         n_past = end - 1  # the group's candidates: chunks 0 .. end-2
         shape = (B, H_kv, H // H_kv, n_past, columns.stop - columns.start)
         scores = scores_buffer[:math.prod(shape)].view(shape)
-        fp32_matmul(candidate_rows(means, 0, n_past)[:, :, None], by_column[..., columns], out=scores)
+        fp32_matmul(candidate_rows(means, 0, n_past)[:, :, None], by_column[..., columns].float(), out=scores)
         _fill_not_past(scores, first, end, rows_per_chunk)
         taken = min(P, n_past)
         chunks[..., taken:, columns].zero_()
@@ -96,8 +97,8 @@ def select_past_chunks(
     """The top ``top_k - 1`` chunks in ``[first, own)`` of each position: documents, context
     parallelism, decoding's multi-query steps.
 
-    ``rows: [B, H, S, D]`` fp32 score against ``means: [B, H_kv, N, D]``; ``own, first: [B, S]``
-    index those means (the position's own chunk and its document's first, None: 0); ``n_chunks``
+    ``rows: [B, H, S, D]`` (scored in fp32 a span at a time) score against ``means: [B, H_kv, N, D]``;
+    ``own, first: [B, S]`` index those means (the position's own chunk and its document's first, None: 0); ``n_chunks``
     bounds the chunks of one document. Positions go in spans (:func:`position_spans`), each scored
     against the chunks some position of it may select, with a -inf bias off each position's
     ``[first, own)``. Returns ``(indices, valid)``, each ``[B, H, S, P]`` with
@@ -134,11 +135,11 @@ def _span_maxima(means, rows, start: int, end: int, own, first, low: int, high: 
     candidates = candidate_rows(means, low, high)
     every_position = (start, end) == (0, S)
     if every_position:  # one product per KV head: chunks x (head in group, position)
-        scores = fp32_matmul(candidates, rows.view(B, H_kv, g * S, D).transpose(-1, -2))  # [B, H_kv, n, g * S]
+        scores = fp32_matmul(candidates, rows.view(B, H_kv, g * S, D).transpose(-1, -2).float())  # [B, H_kv, n, g * S]
         per_column = scores.view(B, H_kv, n, g, S)
     else:
         by_column = rows.view(B, H_kv, g, S, D)[:, :, :, columns].transpose(-1, -2)  # [B, H_kv, g, D, c], a view
-        scores = per_column = fp32_matmul(candidates[:, :, None], by_column)  # [B, H_kv, g, n, c]
+        scores = per_column = fp32_matmul(candidates[:, :, None], by_column.float())  # [B, H_kv, g, n, c]
     chunk = chunk_of_row(torch.arange(n, device=scores.device), low, high)[:, None]
     past = chunk < own[:, None, columns]  # [B, n, c]
     if first is not None:
