@@ -10,8 +10,8 @@ Random inputs (fp32 unless ``--dtype``) ``q: [1, H, S, D]``, ``k, v: [1, H_kv, S
 - ``flex_plan``: :func:`flexmoba.moba_flex_plan` (the regrouped plan's tables and masks);
 - ``block_mask``: :func:`flexmoba.moba_block_mask` (the union BlockMask);
 - ``decode``: one decoding step (one new token) after an S-token prefill of a
-  :class:`flexmoba.MoBAKVCache` and one more token (which grows its buffers); the cache's own bytes
-  are reported apart.
+  :class:`flexmoba.MoBAKVCache` and one step more (which grows its buffers and builds the chunk state's
+  key blocks); the cache's own bytes (keys, values, chunk state, at their capacity) are reported apart.
 
 Each doubling of S should grow a path's peak at most 2.2x (memory linear in S); the report fits
 ``peak = a * S + b`` per path (least squares over its points from ``--fit_from`` tokens) and gives every
@@ -74,19 +74,28 @@ def decode_step(args, k, v, spec):
     cache = flexmoba.MoBAKVCache(args.chunk_size)
     cache.update(k, v)
     new = [x[:, :, -1:].detach().clone() for x in inputs(args, 1)]
-    cache.update(new[1], new[2])  # the buffers double now, not inside the measured step
-    tensors = [*vars(cache).values(), *vars(cache._sums).values()]
-    cache_bytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
     def step():
         cache.update(new[1], new[2])
         with torch.no_grad():
             flexmoba.moba_decode_attention(new[0], cache, spec)
+
+    step()  # the buffers double and the chunk state builds its key blocks now, not inside the measured step
+    tensors = [*vars(cache).values(), *vars(cache.chunk_state).values()]
+    cache_bytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
     return step, {"cache_mib": cache_bytes / 2**20}
 
 
 def measure_here(args, path: str, seq_len: int) -> dict:
-    """One measurement in this process (the parent runs each in a fresh one)."""
+    """One measurement in this process (the parent runs each in a fresh one), under the tuning profile
+    ``args.profile`` (``cuda``: the code path a GPU runs, e.g. gather without the fused CPU kernel)."""
+    from flexmoba.tuning import use_tuning
+
+    with use_tuning(args.profile):
+        return _measure(args, path, seq_len)
+
+
+def _measure(args, path: str, seq_len: int) -> dict:
     fn, extra = call_of(args, path, seq_len)
     began = time.perf_counter()
     peak = peak_extra_mb(fn, torch.device("cpu"))
@@ -106,7 +115,7 @@ def measure_in_fresh_process(args, path: str, seq_len: int) -> dict:
 
 def settings(args) -> list[str]:
     return ["--heads", str(args.heads), "--kv_heads", str(args.kv_heads), "--head_dim", str(args.head_dim),
-            "--dtype", args.dtype,
+            "--dtype", args.dtype, "--profile", args.profile,
             "--moba_chunk_size", str(args.chunk_size), "--moba_top_k", str(args.top_k)]
 
 
@@ -139,6 +148,8 @@ def main(argv=None) -> None:
     parser.add_argument("--kv_heads", type=int, default=None, help="H_kv (default: --heads)")
     parser.add_argument("--head_dim", type=int, default=64)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--profile", choices=("cpu", "cuda"), default="cpu",
+                        help="the tuning profile whose code paths run (cuda: a GPU's, here on the CPU)")
     parser.add_argument("--moba_chunk_size", dest="chunk_size", type=int, default=512)
     parser.add_argument("--moba_top_k", dest="top_k", type=int, default=3)
     parser.add_argument("--one", nargs=2, metavar=("PATH", "S"), help=argparse.SUPPRESS)  # one, in this process
@@ -160,6 +171,7 @@ def main(argv=None) -> None:
         rows += measured
     shape = f"h{args.heads}" if (args.kv_heads, args.head_dim, args.dtype) == (args.heads, 64, "float32") else \
         f"h{args.heads}_kv{args.kv_heads}_d{args.head_dim}_{args.dtype}"
+    shape += "" if args.profile == "cpu" else f"_{args.profile}_profile"
     finish_report(f"memory_{shape}", rows, COLUMNS, args.out)
 
 

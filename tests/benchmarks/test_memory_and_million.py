@@ -10,7 +10,7 @@ from benchmarks.million import check_rows, reference_row, sampled_rows
 
 import oracle
 
-ARGS = argparse.Namespace(chunk_size=16, top_k=3, heads=2, kv_heads=1, head_dim=8, dtype="float32")
+ARGS = argparse.Namespace(chunk_size=16, top_k=3, heads=2, kv_heads=1, head_dim=8, dtype="float32", profile="cpu")
 
 
 def small_problem(seed: int = 0, seq_len: int = 80):
