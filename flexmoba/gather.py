@@ -176,6 +176,26 @@ def dense_attention(q, k, v, causal: bool, scale: float):
     if _fused_cpu(q):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return _recompute_rows_of_zero_lse(out, lse, q, k, v, causal, scale)
+    pieces = unfused_pieces(q.shape[0], q.shape[-2] * k.shape[-2], q.device)
+    if len(pieces) == 1:
+        return _unfused_attention(q, k, v, causal, scale)
+    out = v.new_empty(*q.shape[:-1], v.shape[-1])
+    lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+    for first, end in pieces:
+        out[first:end], lse[first:end] = _unfused_attention(q[first:end], k[first:end], v[first:end], causal, scale)
+    return out, lse
+
+
+def unfused_pieces(n: int, scores_per_item: int, device) -> list[tuple[int, int]]:
+    """``[(first, end), ...]``: the n items of an unfused batch in consecutive pieces whose fp32 scores
+    (``scores_per_item`` each) stay within ``Tuning.gather_unfused_scores`` (one item at least): memory
+    linear in the rows, not in the pieces' product."""
+    size = max(1, tuning_for(device).gather_unfused_scores // max(1, scores_per_item))
+    return [(first, min(first + size, n)) for first in range(0, n, size)] or [(0, 0)]
+
+
+def _unfused_attention(q, k, v, causal: bool, scale: float):
+    """:func:`dense_attention` as plain operations, all of the batch at once."""
     logits = (q @ k.transpose(-1, -2)).float() * scale
     if causal:
         logits = logits.masked_fill(~_causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
@@ -218,6 +238,19 @@ def dense_attention_backward(grad_out, q, k, v, out, lse, causal: bool, scale: f
     if _fused_cpu(q):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
+    pieces = unfused_pieces(q.shape[0], q.shape[-2] * k.shape[-2], q.device)
+    if len(pieces) == 1:
+        return _unfused_backward(grad_out, q, k, v, out, lse, causal, scale)
+    grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v)]
+    for first, end in pieces:
+        part = (x[first:end] for x in (grad_out, q, k, v, out, lse))
+        for grad, piece in zip(grads, _unfused_backward(*part, causal, scale), strict=True):
+            grad[first:end] = piece
+    return tuple(grads)
+
+
+def _unfused_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
+    """:func:`dense_attention_backward` as plain operations, all of the batch at once."""
     logits = (q @ k.transpose(-1, -2)).float() * scale
     if causal:
         logits = logits.masked_fill(~_causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))

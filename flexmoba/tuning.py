@@ -53,6 +53,8 @@ class Tuning:
             chunk size on (the CPU kernel computes a chunk's whole square).
         gather_fused_kernel: gather's dense parts run torch's fused CPU flash-attention kernel
             (which also returns the log-sum-exp); otherwise the same math unfused.
+        gather_unfused_scores: the unfused math runs its batch in pieces of at most this many fp32
+            scores (own chunks are ``chunk_size ** 2`` each): its memory stays linear in S.
     """
 
     auto_gather_min_seq: int | None = None
@@ -69,6 +71,7 @@ class Tuning:
     gather_batched_pairs_max_bytes: int = 64 * 2**20
     gather_split_own_min: int = 256
     gather_fused_kernel: bool = False
+    gather_unfused_scores: int = 2**26
 
 
 # Measured: gather beats the regrouped flex plan on CPU at every length and the dense-mask SDPA

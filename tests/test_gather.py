@@ -12,16 +12,18 @@ from flexmoba.tuning import tuning_for, use_tuning
 from strategies import problems
 
 
-@given(problems(), st.integers(1, 9), st.booleans(), st.booleans(), st.booleans())
-def test_any_query_block_gives_reference_gradients(problem, query_block, fused, batched, split_own):
+@given(problems(), st.integers(1, 9), st.booleans(), st.booleans(), st.booleans(), st.booleans())
+def test_any_query_block_gives_reference_gradients(problem, query_block, fused, batched, split_own, pieces):
     """Small blocks put several blocks (and a remainder) in one call; dk and dv are their sum.
     ``batched``: all past pairs as one batch of blocks, or one call per chunk (the long-sequence path).
-    ``split_own``: every even own chunk as two causal halves and the second half over the first."""
+    ``split_own``: every even own chunk as two causal halves and the second half over the first.
+    ``pieces``: the unfused math one item of a batch at a time (its memory bound at the extreme)."""
     grad_out = torch.randn(problem.q.shape, generator=torch.Generator().manual_seed(0))
     cpu = tuning_for("cpu")
     with use_tuning(cpu, gather_fused_kernel=fused,
                     gather_batched_pairs_max_bytes=cpu.gather_batched_pairs_max_bytes if batched else 0,
-                    gather_split_own_min=2 if split_own else cpu.gather_split_own_min):
+                    gather_split_own_min=2 if split_own else cpu.gather_split_own_min,
+                    gather_unfused_scores=1 if pieces else cpu.gather_unfused_scores):
         inputs = [t.clone().requires_grad_() for t in (problem.q, problem.k, problem.v)]
         selection = select_chunks(inputs[0], inputs[1], **problem.kwargs)
         out = gather.gather_moba_attention(*inputs, selection, query_block=query_block)
@@ -133,3 +135,11 @@ def test_a_plan_refuses_queries_and_keys_of_other_shapes():
         plan.attention(q[:, :, :16], k, v)
     with pytest.raises(ValueError, match="k and v must hold the plan's 24 keys, got 24 and 20"):
         plan.attention(q, k, v[:, :, :20])
+
+
+@pytest.mark.parametrize("n, per_item, budget", [(10, 4, 1), (10, 4, 12), (10, 4, 2**26), (0, 4, 1), (3, 10**9, 2**26)])
+def test_unfused_pieces_cover_the_batch_once_within_the_budget(n, per_item, budget):
+    with use_tuning("cuda", gather_unfused_scores=budget):
+        pieces = gather.unfused_pieces(n, per_item, torch.device("cpu"))
+    assert [i for first, end in pieces for i in range(first, end)] == list(range(n))
+    assert all(end - first <= max(1, budget // per_item) for first, end in pieces)
