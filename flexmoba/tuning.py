@@ -42,7 +42,7 @@ class Tuning:
         gate_buffer_scores: the most scores one group or span holds at once (more groups or spans
             when needed, past ``max_query_groups``): the gate's memory stays linear in S.
         spans_read_host: spans of positions get their chunk bounds from a host read (tighter
-            spans; off CPU a device sync, so there one span of every chunk).
+            spans; off CPU a device sync, so there spans of every chunk).
         few_scores: up to this many scores, each slot's maximum comes from ``max`` with indices.
         pooled_maxima: beyond ``few_scores``, maxima from ``max_pool2d`` (CPU: one vectorised
             pass) rather than ``amax`` passes (CUDA's pooling kernel takes 32-bit offsets).
