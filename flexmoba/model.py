@@ -13,6 +13,7 @@ the paper's training-phase hybrid (MoBA first, full attention at the end).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -365,18 +366,30 @@ class GPT(nn.Module):
         tokens full attention, the paper's protocol. Tile granularity has no decode path, so
         it re-runs the whole sequence per token, as ``use_cache=False`` does.
         """
+        new = list(self.generate_steps(prompt, max_new_tokens, temperature, top_k, generator, use_cache,
+                                       dense_decode))
+        return torch.cat([prompt, *new], dim=1)
+
+    @torch.no_grad()
+    def generate_steps(
+        self,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+        use_cache: bool = True,
+        dense_decode: bool = False,
+    ) -> Iterator[torch.Tensor]:
+        """:meth:`generate`'s new tokens, each ``[B, 1]`` as soon as it is sampled (for streaming)."""
         use_cache = use_cache and self.config.moba.granularity == "token"
         caches = self.new_caches(dense_decode) if use_cache else None
-        tokens, step_input = prompt, prompt
+        tokens = prompt  # with caches: the tokens not yet fed; without: the whole sequence
         for _ in range(max_new_tokens):
-            if use_cache:
-                logits = self(step_input, caches)[:, -1]
-            else:
-                logits = self(tokens)[:, -1]
+            logits = (self(tokens, caches) if use_cache else self(tokens))[:, -1]
             next_token = sample_next_token(logits, temperature, top_k, generator)
-            tokens = torch.cat([tokens, next_token], dim=1)
-            step_input = next_token
-        return tokens
+            tokens = next_token if use_cache else torch.cat([tokens, next_token], dim=1)
+            yield next_token
 
 
 @torch.no_grad()

@@ -27,28 +27,19 @@ from typing import Literal
 import torch
 
 from flexmoba.checkpoint import checkpoint_config, checkpoint_tokenizer, load_model
-from flexmoba.model import GPT, sample_next_token
+from flexmoba.model import GPT
 from lit.training import checks
 from lit.training.errors import UsageError
 from lit.training.options import parse_dataclass
 
 
-@torch.no_grad()
 def stream(model: GPT, prompt: list[int], max_new: int, temperature: float = 0.0, top_k: int | None = None,
            generator: torch.Generator | None = None, dense_decode: bool = False) -> Iterator[int]:
-    """Each of ``max_new`` tokens continuing ``prompt`` as soon as it is sampled: the steps of
-    :meth:`flexmoba.model.GPT.generate` (the same tokens for the same generator), one at a time."""
-    device = next(model.parameters()).device
-    sequence = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, S]
-    use_cache = model.config.moba.granularity == "token"  # tiles have no decode path: the whole sequence again
-    caches = model.new_caches(dense_decode) if use_cache else None
-    step_input = sequence
-    for _ in range(max_new):
-        logits = (model(step_input, caches) if use_cache else model(sequence))[:, -1]
-        next_token = sample_next_token(logits, temperature, top_k, generator)
-        sequence = torch.cat([sequence, next_token], dim=1)
-        step_input = next_token
-        yield int(next_token[0, 0])
+    """Each of ``max_new`` tokens continuing ``prompt`` as soon as it is sampled
+    (:meth:`flexmoba.model.GPT.generate_steps`)."""
+    tokens = torch.tensor([prompt], dtype=torch.long, device=next(model.parameters()).device)  # [1, S]
+    for token in model.generate_steps(tokens, max_new, temperature, top_k, generator, dense_decode=dense_decode):
+        yield int(token[0, 0])
 
 
 def past_trained_length(tokens: Iterator[int], prompt_length: int, trained: int | None,

@@ -159,17 +159,22 @@ def val_history(rows: list[dict[str, str]], max_steps: int) -> list[tuple[int, f
     return sorted((step, loss) for step, loss in history.items() if step <= max_steps)
 
 
+def validation_count_keys() -> dict[str, str]:
+    """``{"batches": "val/batches", ...}``: the logged names of what a validation read."""
+    return {what: names.eval_count("val", what) for what in names.EVAL_COUNTS}
+
+
 def fit_validation_counts(rows: list[dict[str, str]], max_steps: int) -> dict[str, int] | None:
     """What the last validation during the fit read (batches, sequences, tokens: the points of val_loss.png),
     or None when the logs hold no counts (a run of an earlier version)."""
-    keys = {what: names.eval_count("val", what) for what in names.EVAL_COUNTS}
+    keys = validation_count_keys()
     during = [r for r in rows if all(r.get(key) for key in keys.values()) and int(r["step"]) + 1 <= max_steps]
     return {what: int(float(during[-1][key])) for what, key in keys.items()} if during else None
 
 
 def split_counts(final: dict) -> tuple[dict, dict[str, int] | None]:
     """The final metrics without the counts of what the validation read, and those counts."""
-    keys = {what: names.eval_count("val", what) for what in names.EVAL_COUNTS}
+    keys = validation_count_keys()
     if not all(key in final for key in keys.values()):
         return final, None
     counts = {what: int(final[key]) for what, key in keys.items()}
