@@ -7,7 +7,11 @@ Random inputs (fp32 unless ``--dtype``) ``q: [1, H, S, D]``, ``k, v: [1, H_kv, S
 - ``gate``: :func:`flexmoba.select_chunks` (the Selection it returns included);
 - ``gather_fwd``, ``gather_fwd_bwd``: :func:`flexmoba.moba_attention` with ``backend="gather"``, without
   gradients, and forward plus ``backward`` of its sum (q, k, v's gradients included);
-- ``flex_plan``: :func:`flexmoba.moba_flex_plan` (the regrouped plan's tables and masks);
+- ``flex_plan``: :func:`flexmoba.moba_flex_plan` (the regrouped plan and its block tables);
+- ``flex_fwd``: :func:`flexmoba.moba_attention` with ``backend="flex"`` without gradients (the compiled
+  kernel; measured on a second call, after the first one compiled it);
+- ``flex_merge``: the plan's log-sum-exp merge (:func:`flexmoba.lse_merge.merge_by_lse`), forward plus
+  ``backward``, on random virtual outputs of a plan built before the call;
 - ``block_mask``: :func:`flexmoba.moba_block_mask` (the union BlockMask);
 - ``decode``: one decoding step (one new token) after an S-token prefill of a
   :class:`flexmoba.MoBAKVCache` and one step more (which grows its buffers and builds the chunk state's
@@ -33,7 +37,7 @@ import torch
 
 from benchmarks.common import DEFAULT_OUT, OneLineArgumentParser, finish_report, peak_extra_mb, print_row
 
-PATHS = ("gate", "gather_fwd", "gather_fwd_bwd", "flex_plan", "block_mask", "decode")
+PATHS = ("gate", "gather_fwd", "gather_fwd_bwd", "flex_plan", "flex_fwd", "flex_merge", "block_mask", "decode")
 SEQ_LENS = [2**15, 2**16, 2**17, 2**18, 2**19, 2**20]
 COLUMNS = [("path", "path"), ("seq_len", "S"), ("heads", "H"), ("peak_mib", "peak (MiB)"),
            ("growth", "x per doubling"), ("fit_mib", "fit (MiB)"), ("fit_error", "fit error"),
@@ -62,9 +66,27 @@ def call_of(args, path: str, seq_len: int):
         return lambda: flexmoba.moba_attention(q, k, v, spec).sum().backward(), {}
     if path == "flex_plan":
         return lambda: flexmoba.moba_flex_plan(q, k, spec), {}
+    if path == "flex_fwd":
+        flex = torch.no_grad()(lambda: flexmoba.moba_attention(q, k, v, spec, backend="flex"))
+        flex()  # compiles the kernel for this shape
+        return flex, {}
+    if path == "flex_merge":
+        return merge_step(args, q, k, spec)
     if path == "block_mask":
         return lambda: flexmoba.moba_block_mask(q, k, spec), {}
     return decode_step(args, k, v, spec)
+
+
+def merge_step(args, q, k, spec):
+    """The merge's forward and backward over random virtual outputs of the plan of ``q, k``."""
+    import flexmoba
+    from flexmoba.lse_merge import merge_by_lse
+
+    plan = flexmoba.moba_flex_plan(q, k, spec)
+    gen = torch.Generator().manual_seed(0)
+    out = torch.randn(*plan.source.shape, q.shape[-1], generator=gen, dtype=q.dtype).requires_grad_()
+    lse = torch.randn(plan.source.shape, generator=gen).requires_grad_()
+    return lambda: merge_by_lse(out, lse, plan.rows, plan.valid).sum().backward(), {}
 
 
 def decode_step(args, k, v, spec):

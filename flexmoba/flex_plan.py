@@ -37,25 +37,38 @@ and ``q . mean(k_chunk) * scale`` for past rows (by Jensen ``p <= 1 / (C + 1)``)
 extreme logits underflow ``p`` the row's LSE is recomputed directly (rare; it reads which
 rows on the host, which on CPU is no device sync). The sink is the compiled CPU kernel's
 path only (:func:`flexmoba.compiled_flex.needs_sink`), never the GPU's.
+
+Memory linear in S. A block of virtual rows reads at most a handful of key blocks, so the plan
+keeps its block tables only that wide (``[B, H_kv, L / Bq, W]``). The kernels take tables as wide
+as every key block (compiled CPU flex refuses narrower ones; torch transposes them for the
+backward by their width), so the virtual rows run in equal pieces, each widened only while it
+runs, with at most ``Tuning.flex_table_entries`` entries per table. With more than one piece
+and gradients, each piece's flex call is recomputed in the backward (activation checkpointing)
+so that only one piece's tables are alive at a time. The merge accumulates one slot at a time
+(:mod:`flexmoba.lse_merge`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask
+from torch.utils.checkpoint import checkpoint
 
 from flexmoba import validation
 from flexmoba.block_mask import DEFAULT_BLOCK_SIZE, listed_first
 from flexmoba.compiled_flex import active_flex_attention, needs_sink
 from flexmoba.gate import Selection, select_chunks
 from flexmoba.index_math import exclusive_cumsum, sort_key_dtype
+from flexmoba.lse_merge import merge_by_lse
 from flexmoba.masks import check_flex_index
 from flexmoba.pair_counts import past_chunk_slots
 from flexmoba.spec import MobaSpec, takes_settings
+from flexmoba.tuning import tuning_for
 
 __all__ = ["MoBAFlexPlan", "moba_flex_plan", "plan_from_selection"]
 
@@ -67,11 +80,16 @@ PLAN_WAY_OUT = "split the batch, or use backend='gather'"
 
 @dataclass(frozen=True)
 class MoBAFlexPlan:
-    """Virtual query rows for one selection, and the ``BlockMask`` flex runs them with.
+    """Virtual query rows for one selection, their block tables, and how flex runs them.
 
     Attributes:
-        block_mask: ``BlockMask`` over virtual rows ``[B, H_kv, L]`` x keys ``[S]`` (``S + 1``
-            with the sink key).
+        tables: ``(partial count, partial indices, full count, indices)`` of the virtual rows'
+            query blocks, counts ``[B, H_kv, L / Bq]`` and indices ``[B, H_kv, L / Bq, W]`` int32:
+            each block's listed key blocks first, W no wider than a block of rows can read.
+        block_size: FlexAttention's ``(Q, KV)`` block.
+        kv_len: keys ``S`` (``S + 1`` with the sink key).
+        pieces: the virtual rows run in this many equal pieces (a multiple of ``Bq`` rows each).
+        compute_q_blocks: the pieces' masks carry the transposed tables the backward reads.
         key_start, key_end: ``[B, H_kv, L]`` the key interval ``[start, end)`` of each virtual
             row; empty for padding rows.
         source: ``[B, H_kv, L]`` which query feeds each virtual row, as ``head_in_group * S + t``.
@@ -82,7 +100,11 @@ class MoBAFlexPlan:
         selection: the gate's selection the plan was built from.
     """
 
-    block_mask: BlockMask
+    tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    block_size: tuple[int, int]
+    kv_len: int
+    pieces: int
+    compute_q_blocks: bool
     key_start: torch.Tensor
     key_end: torch.Tensor
     source: torch.Tensor
@@ -96,13 +118,43 @@ class MoBAFlexPlan:
     def virtual_len(self) -> int:
         return self.source.shape[-1]
 
+    @property
+    def sink_at(self) -> int | None:
+        return self.kv_len - 1 if self.sink else None
+
+    @property
+    def block_mask(self) -> BlockMask:
+        """The whole plan's ``BlockMask`` over virtual rows ``[B, H_kv, L]`` x keys ``[kv_len]``, its
+        tables as wide as every key block (quadratic in S: for inspection and short sequences)."""
+        return self.piece_block_mask(0, self.virtual_len)
+
+    def piece_block_mask(self, start: int, end: int) -> BlockMask:
+        """The ``BlockMask`` of virtual rows ``[start, end)`` (multiples of ``Bq``), tables widened to
+        every key block."""
+        Bq, Bk = self.block_size
+        n_blocks = -(-self.kv_len // Bk)
+        first, last = start // Bq, -(-end // Bq)
+
+        def widened(indices):
+            indices = indices[:, :, first:last]
+            width = indices.shape[-1]
+            return indices[..., :n_blocks] if width >= n_blocks else F.pad(indices, (0, n_blocks - width))
+
+        partial_count, partial, full_count, full = self.tables
+        mask_mod = _interval_mask_mod(self.key_start[:, :, start:end].contiguous(),
+                                      self.key_end[:, :, start:end].contiguous(), self.sink_at)
+        return BlockMask.from_kv_blocks(
+            partial_count[:, :, first:last], widened(partial), full_count[:, :, first:last], widened(full),
+            BLOCK_SIZE=self.block_size, mask_mod=mask_mod, seq_lengths=(end - start, self.kv_len),
+            compute_q_blocks=self.compute_q_blocks)
+
     def visited_area(self) -> int:
         """(query, key) pairs in the key blocks the kernel visits, the sink key's block excluded."""
-        Bq, Bk = self.block_mask.BLOCK_SIZE
-        bm = self.block_mask
-        sink_block = (bm.seq_lengths[1] - 1) // Bk if self.sink else -1
+        Bq, Bk = self.block_size
+        sink_block = (self.kv_len - 1) // Bk if self.sink else -1
         blocks = 0
-        for num, idx in ((bm.kv_num_blocks, bm.kv_indices), (bm.full_kv_num_blocks, bm.full_kv_indices)):
+        partial_count, partial, full_count, full = self.tables
+        for num, idx in ((partial_count, partial), (full_count, full)):
             listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
             blocks += int((listed & (idx != sink_block)).sum())
         return blocks * Bq * Bk
@@ -124,9 +176,40 @@ class MoBAFlexPlan:
         if self.sink:
             out, lse = _flex_with_sink(flex, self, virtual_q, q, k, v, scale)
         else:
-            out, aux = flex(virtual_q, k, v, block_mask=self.block_mask, scale=scale, return_aux=AuxRequest(lse=True))
-            lse = aux.lse
-        return self.merge(out, lse.float())
+            out, lse = self.run_in_pieces(flex, virtual_q, k, v, scale)
+        return merge_by_lse(out, lse.float(), self.rows, self.valid)
+
+    def run_in_pieces(self, flex: Callable, virtual_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      sink_scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Flex over the virtual rows ``virtual_q: [B, H_kv, L, D]``, piece by piece -> (out
+        ``[B, H_kv, L, Dv]``, lse ``[B, H_kv, L]``), or (out, None) with the sink's scores
+        ``sink_scores: [B, H_kv, L]`` (then ``k, v`` carry the sink key)."""
+        length = self.virtual_len // self.pieces
+        recompute = self.pieces > 1 and torch.is_grad_enabled() and any(t.requires_grad for t in (virtual_q, k, v))
+        outs, lses = [], []
+        for start in range(0, self.virtual_len, length):
+            call = functools.partial(self._flex_piece, flex, start, start + length, scale)
+            rows = slice(start, start + length)
+            scores = None if sink_scores is None else sink_scores[:, :, rows].contiguous()
+            args = (virtual_q[:, :, rows], k, v, scores)
+            out, lse = checkpoint(call, *args, use_reentrant=False) if recompute else call(*args)
+            outs.append(out)
+            lses.append(lse)
+        if self.pieces == 1:
+            return outs[0], lses[0]
+        return torch.cat(outs, 2), None if sink_scores is not None else torch.cat(lses, 2)
+
+    def _flex_piece(self, flex, start, end, scale, virtual_q, k, v, sink_scores):
+        block_mask = self.piece_block_mask(start, end)
+        if sink_scores is None:
+            out, aux = flex(virtual_q, k, v, block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True))
+            return out, aux.lse
+        sink_at = self.sink_at
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return torch.where(kv_idx == sink_at, sink_scores[b, h, q_idx].to(score.dtype), score)
+
+        return flex(virtual_q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale), None
 
     def gather_queries(self, q: torch.Tensor) -> torch.Tensor:
         """``[B, H, S, D]`` -> ``[B, H_kv, L, D]``: the query feeding each virtual row."""
@@ -137,13 +220,7 @@ class MoBAFlexPlan:
 
     def merge(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """Virtual ``out: [B, H_kv, L, Dv]``, ``lse: [B, H_kv, L]`` -> ``[B, H, S, Dv]`` by log-sum-exp."""
-        B, H, S, K = self.rows.shape
-        H_kv, Dv = out.shape[1], out.shape[-1]
-        index = self.rows.reshape(B, H_kv, -1)
-        slot_lse = lse.gather(2, index).view(B, H, S, K).masked_fill(~self.valid, float("-inf"))
-        slot_out = out.gather(2, index[..., None].expand(-1, -1, -1, Dv)).view(B, H, S, K, Dv)
-        weights = torch.softmax(slot_lse, dim=-1)  # exp(slot_lse - logsumexp(slot_lse))
-        return (weights[..., None] * slot_out.float()).sum(3).to(out.dtype)
+        return merge_by_lse(out, lse, self.rows, self.valid)
 
 
 def virtual_lengths(heads_per_kv: int, seq_len: int, chunk_size: int, top_k: int, block_q: int,
@@ -240,7 +317,7 @@ def _sort_rows(key: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tenso
     return flat.view(R, M) - row * bound, order.view(R, M) - row * M
 
 
-def _own_tables(chunk_start: torch.Tensor, query_start: int, padded: int, H_kv: int,
+def _own_tables(chunk_start: torch.Tensor, query_start: int, padded: int, H_kv: int, chunk_size: int,
                 block_size: tuple[int, int], kv_len: int, sink_at: int | None) -> tuple[torch.Tensor, ...]:
     """Block tables (partial count, indices, full count, indices) of one query head's own rows,
     each ``[B, H_kv, padded / Bq, ...]`` (a view): every query head's own rows read the same keys,
@@ -250,7 +327,8 @@ def _own_tables(chunk_start: torch.Tensor, query_start: int, padded: int, H_kv: 
     attend nothing. Both bounds never decrease with t, so in a query block the rows reaching key
     block j are those from the first one ending past j's first key, whose start is their lowest:
     each (query block, key block) entry needs that row's start and the block's end rows, no
-    per-row counting.
+    per-row counting. A block's rows read fewer than ``chunk_size + Bq`` keys from its first row's
+    chunk start, so only the key blocks there are candidates: ``[B, T, W]``, not every key block.
     """
     Bq, Bk = block_size
     B, S = chunk_start.shape
@@ -258,20 +336,29 @@ def _own_tables(chunk_start: torch.Tensor, query_start: int, padded: int, H_kv: 
     real_keys = kv_len if sink_at is None else sink_at
     first_row = torch.arange(0, padded, Bq, device=device)[:, None]  # [T, 1]
     last_row = (first_row + Bq).clamp(max=S) - 1  # [T, 1]; < first_row: no real row
-    first_key = torch.arange(0, kv_len, Bk, device=device)  # [N]
-    key_end = (first_key + Bk).clamp(max=real_keys)  # [N]; <= first_key: only the sink
-    has_keys = key_end > first_key
-    reaching = torch.maximum(first_row, first_key - query_start)  # [T, N] first row ending past first_key
-    starts = chunk_start.gather(1, reaching.clamp(max=S - 1).flatten().expand(B, -1)).view(B, *reaching.shape)
-    attends = has_keys & (reaching <= last_row) & (starts < key_end)  # [B, T, N]
+    lowest = chunk_start[:, first_row[:, 0].clamp(max=S - 1)]  # [B, T]
+    window = torch.arange((chunk_size + Bq - 2) // Bk + 2, device=device)
+    block = (lowest // Bk)[..., None] + window  # [B, T, W], increasing
+    first_key = block * Bk
+    key_end = (first_key + Bk).clamp(max=real_keys)
+    has_keys = key_end > first_key  # false past the real keys
+    reaching = torch.maximum(first_row, first_key - query_start)  # first row ending past first_key
+    starts = chunk_start.gather(1, reaching.clamp(max=S - 1).flatten(1)).view_as(reaching)
+    attends = has_keys & (reaching <= last_row) & (starts < key_end)  # [B, T, W]
     complete = first_row + Bq <= S  # [T, 1] every row real
     covered = (chunk_start[:, last_row.clamp(max=S - 1)] <= first_key) & (query_start + first_row + 1 >= key_end)
-    full = complete & (covered | ~has_keys)  # no real keys: the sink's block alone, read by every real row
-    if sink_at is not None:
-        holds_sink = (first_key <= sink_at) & (sink_at < first_key + Bk)  # [N]
-        attends = attends | (holds_sink & (first_row < S))
-    block = torch.arange(first_key.shape[0], device=device).expand_as(attends)
-    tables = (*listed_first(attends & ~full, block, block.shape[-1]), *listed_first(full, block, block.shape[-1]))
+    full = complete & has_keys & covered
+    if sink_at is not None:  # every real row reads the sink
+        real_row, sink_block = first_row < S, sink_at // Bk
+        holds_sink = block == sink_block
+        attends = attends | (holds_sink & real_row)
+        full = full | (holds_sink & ~has_keys & complete)  # the sink alone in its block
+        beyond = real_row & (block[..., -1:] < sink_block)  # the window stops before the sink's block
+        block = torch.cat([block, torch.full_like(block[..., :1], sink_block)], -1)
+        attends = torch.cat([attends, beyond], -1)
+        full = torch.cat([full, beyond & complete & (sink_block * Bk >= real_keys)], -1)
+    width = block.shape[-1]
+    tables = (*listed_first(attends & ~full, block, width), *listed_first(full, block, width))
     return tuple(t[:, None].expand(-1, H_kv, *t.shape[1:]) for t in tables)
 
 
@@ -282,7 +369,7 @@ def _past_tables(start: torch.Tensor, end: torch.Tensor, span: int, block_size: 
     (``start, end: [B, H_kv, n]``, empty for unused blocks), plus the sink key.
 
     An interval touches at most ``ceil(span / Bk) + 1`` consecutive key blocks, so only those
-    (and the sink's) are candidates: ``[B, H_kv, n, W]``, not every key block.
+    (and the sink's) are candidates, and the tables are that wide: ``[B, H_kv, n, W]``.
     """
     Bq, Bk = block_size
     window = torch.arange(-(-span // Bk) + 1, device=start.device)
@@ -299,18 +386,20 @@ def _past_tables(start: torch.Tensor, end: torch.Tensor, span: int, block_size: 
         overlap = torch.cat([overlap, beyond.long()], -1)
         block_len = torch.cat([block_len, torch.full_like(block_len[..., :1], kv_len - sink_block * Bk)], -1)
     full = (overlap == block_len) & (overlap > 0)
-    n_blocks = -(-kv_len // Bk)
-    return (*listed_first((overlap > 0) & ~full, block, n_blocks), *listed_first(full, block, n_blocks))
+    width = block.shape[-1]
+    return (*listed_first((overlap > 0) & ~full, block, width), *listed_first(full, block, width))
+
+
+def _check_intervals(key_start: torch.Tensor, key_end: torch.Tensor) -> None:
+    """Refuse rows ``[B, H_kv, L]`` past int32 offsets; the sink's score_mod indexes a tensor of
+    the same shape, so this check covers it too."""
+    for name, captured in (("plan.key_start", key_start), ("plan.key_end", key_end)):
+        check_flex_index(name, captured, PLAN_WAY_OUT)
 
 
 def _interval_mask_mod(key_start: torch.Tensor, key_end: torch.Tensor, sink_at: int | None):
-    """Virtual row r attends keys in ``[key_start[r], key_end[r])`` (and the sink key).
-
-    Refuses rows ``[B, H_kv, L]`` past int32 offsets; the sink's score_mod indexes a tensor
-    of the same shape, so this check covers it too.
-    """
-    for name, captured in (("plan.key_start", key_start), ("plan.key_end", key_end)):
-        check_flex_index(name, captured, PLAN_WAY_OUT)
+    """Virtual row r attends keys in ``[key_start[r], key_end[r])`` (and the sink key)."""
+    _check_intervals(key_start, key_end)
     if sink_at is None:
         def mask_mod(b, h, q_idx, kv_idx):
             return (kv_idx >= key_start[b, h, q_idx]) & (kv_idx < key_end[b, h, q_idx])
@@ -337,8 +426,8 @@ def plan_from_selection(selection: Selection, kv_heads: int, *, block_size: int 
     with torch.no_grad():
         kv_len, sink_at = T + int(sink), T if sink else None
         own_start, own_end, own_source, own_row = _own_rows(selection, kv_heads, own_len, query_start)
-        own_tables = _own_tables(selection.layout.chunk_start, query_start, own_len // G, kv_heads, (Bq, Bk),
-                                 kv_len, sink_at)
+        own_tables = _own_tables(selection.layout.chunk_start, query_start, own_len // G, kv_heads,
+                                 selection.layout.chunk_size, (Bq, Bk), kv_len, sink_at)
         if P > 0:
             past_start, past_end, past_source, past_row, past_intervals = _past_rows(
                 selection, kv_heads, own_len, past_len, Bq)
@@ -352,13 +441,33 @@ def plan_from_selection(selection: Selection, kv_heads: int, *, block_size: int 
             key_start, key_end, source, rows = own_start, own_end, own_source.contiguous(), own_row[..., None]
             past_tables = [[]] * 4
         # The own rows' tables once per query head of the group, then the past rows'.
-        tables = tuple(torch.cat([own] * G + past, 2) for own, past in zip(own_tables, past_tables, strict=True))
+        tables = _joined_tables(own_tables, past_tables, G)
         valid = F.pad(selection.past_valid, (1, 0), value=True)  # own slot first
-        mask_mod = _interval_mask_mod(key_start, key_end, sink_at)
-        block_mask = BlockMask.from_kv_blocks(
-            *tables, BLOCK_SIZE=(Bq, Bk), mask_mod=mask_mod, seq_lengths=(key_start.shape[-1], kv_len),
-            compute_q_blocks=compute_q_blocks)
-    return MoBAFlexPlan(block_mask, key_start, key_end, source, rows, valid, sink, own_len, selection)
+        _check_intervals(key_start, key_end)
+        pieces, extra_blocks = _pieces(key_start.shape[-1] // Bq, B * kv_heads * -(-kv_len // Bk),
+                                       tuning_for(key_start.device).flex_table_entries)
+        if extra_blocks:  # padding rows, attending nothing, make the pieces equal (one compiled shape)
+            key_start, key_end, source = (F.pad(x, (0, extra_blocks * Bq)) for x in (key_start, key_end, source))
+            tables = tuple(F.pad(t, (0, 0) * (t.dim() - 3) + (0, extra_blocks)) for t in tables)
+    return MoBAFlexPlan(tables, (Bq, Bk), kv_len, pieces, compute_q_blocks, key_start, key_end, source, rows, valid,
+                        sink, own_len, selection)
+
+
+def _joined_tables(own_tables, past_tables, G: int) -> tuple[torch.Tensor, ...]:
+    """The own rows' tables once per query head of the group, then the past rows', the indices
+    padded to one width."""
+    width = max(t.shape[-1] for t in (own_tables[1], *past_tables[1]))
+    fit = lambda t: t if t.dim() == 3 else F.pad(t, (0, width - t.shape[-1]))  # noqa: E731
+    return tuple(torch.cat([fit(own)] * G + [fit(t) for t in past], 2)
+                 for own, past in zip(own_tables, past_tables, strict=True))
+
+
+def _pieces(blocks: int, entries_per_block: int, budget: int) -> tuple[int, int]:
+    """``(pieces, padding blocks)``: ``blocks`` query blocks, each ``entries_per_block`` table entries
+    wide once widened, in equal pieces of at most ``budget`` entries (at least one block each)."""
+    per_piece = max(1, budget // entries_per_block)
+    pieces = -(-blocks // per_piece)
+    return pieces, pieces * -(-blocks // pieces) - blocks
 
 
 def _sink_scores(plan: MoBAFlexPlan, virtual_q: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -370,7 +479,7 @@ def _sink_scores(plan: MoBAFlexPlan, virtual_q: torch.Tensor, q: torch.Tensor, k
     own_keys = k[:, :, k.shape[2] - S:]  # the queries' own positions: the last S keys
     diagonal = (q.float().view(B, H_kv, G, S, D) * own_keys.float()[:, :, None]).sum(-1)  # [B, H_kv, G, S]
     own = F.pad(diagonal, (0, plan.own_len // G - S)).view(B, H_kv, plan.own_len)
-    Bq = plan.block_mask.BLOCK_SIZE[0]
+    Bq = plan.block_size[0]
     start = plan.key_start[:, :, plan.own_len::Bq]  # [B, H_kv, n_blocks]: past blocks read one chunk each
     end = plan.key_end[:, :, plan.own_len::Bq]
     prefix = F.pad(k.float().cumsum(2), (0, 0, 1, 0))  # [B, H_kv, S + 1, D]
@@ -390,11 +499,7 @@ def _flex_with_sink(flex, plan: MoBAFlexPlan, virtual_q, q, k, v, scale):
     v_ext = v.new_zeros(B, H_kv, S + 1, Dv + 1)
     v_ext[:, :, :S, :Dv] = v
     v_ext[:, :, S, Dv] = 1
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return torch.where(kv_idx == S, c[b, h, q_idx].to(score.dtype), score)
-
-    out = flex(virtual_q, k_ext, v_ext, score_mod=score_mod, block_mask=plan.block_mask, scale=scale)
+    out, _ = plan.run_in_pieces(flex, virtual_q, k_ext, v_ext, scale, sink_scores=c)
     p = out[..., Dv].float()
     lse = c + torch.log1p(-p) - torch.log(p)
     out = out[..., :Dv] / (1 - p[..., None]).to(out.dtype)

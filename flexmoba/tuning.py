@@ -55,6 +55,9 @@ class Tuning:
             (which also returns the log-sum-exp); otherwise the same math unfused.
         gather_unfused_scores: the unfused math runs its batch in pieces of at most this many fp32
             scores (own chunks are ``chunk_size ** 2`` each): its memory stays linear in S.
+        flex_table_entries: the regrouped flex plan runs its virtual rows in pieces whose block
+            tables, as wide as every key block, hold at most this many entries each (batch and KV
+            heads included): its tables stay linear in S.
     """
 
     auto_gather_min_seq: int | None = None
@@ -72,13 +75,15 @@ class Tuning:
     gather_split_own_min: int = 256
     gather_fused_kernel: bool = False
     gather_unfused_scores: int = 2**26
+    flex_table_entries: int = 2**26
 
 
 # Measured: gather beats the regrouped flex plan on CPU at every length and the dense-mask SDPA
 # call from 512 tokens; the union BlockMask is exactly sparse and fastest at length for tiles.
 PROFILES: dict[str, Tuning] = {
     "cpu": Tuning(auto_gather_min_seq=512, auto_tile_flex_min_seq=4096, spans_read_host=True,
-                  gate_buffer_scores=2**23, pooled_maxima=True, gather_fused_kernel=True),
+                  gate_buffer_scores=2**23, pooled_maxima=True, gather_fused_kernel=True,
+                  flex_table_entries=2**24),
     "cuda": Tuning(),
 }
 DEFAULT_PROFILE = "cuda"  # other accelerators: flex, amax passes

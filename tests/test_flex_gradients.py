@@ -14,6 +14,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from flexmoba import moba_attention, moba_flex_plan, moba_reference, use_flex_attention
 from flexmoba.compiled_flex import active_flex_attention, custom_flex_attention
+from flexmoba.tuning import use_tuning
 
 import oracle
 from strategies import Problem, make_problem, problems, runs_to_ids, seeded_randn
@@ -78,6 +79,33 @@ def test_plan_without_the_sink_has_reference_gradients(name):
 @given(problems(max_seq_len=40, token_only=True))
 def test_plan_without_the_sink_has_reference_gradients_on_drawn_problems(problem):
     check_against_the_reference(plan_attention(problem), problem)
+
+
+@pytest.mark.parametrize("name", ["mha", "gqa", "documents", "ragged", "top_k_1"])
+def test_plan_in_pieces_has_reference_gradients(name):
+    """One block of virtual rows per piece: each piece's flex call is recomputed in the backward."""
+    with use_tuning("cpu", flex_table_entries=1):
+        check_against_the_reference(plan_attention(CASES[name]), CASES[name])
+
+
+def test_plan_in_pieces_recomputes_each_piece_s_flex_call_in_the_backward_only_with_gradients():
+    problem = CASES["gqa"]
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs["block_mask"].seq_lengths[0])
+        return flex_standin(*args, **kwargs)
+
+    with use_tuning("cpu", flex_table_entries=1), use_flex_attention(counting):
+        plan = moba_flex_plan(problem.q, problem.k, chunk_size=problem.chunk_size, top_k=problem.top_k,
+                              block_size=BLOCK)
+        assert plan.pieces == plan.virtual_len // BLOCK > 1
+        with torch.no_grad():
+            plan.attention(problem.q, problem.k, problem.v)
+        assert calls == [BLOCK] * plan.pieces
+        calls.clear()
+        outputs_and_grads(lambda q, k, v: plan.attention(q, k, v), problem)
+        assert calls == [BLOCK] * (2 * plan.pieces)
 
 
 @pytest.mark.parametrize("backend", ["flex", "flex_union"])

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from flex_standin import flex_standin
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import flex_attention
@@ -10,6 +11,7 @@ from flexmoba import MobaSpec, compiled_flex_attention, moba_flex_plan, select_c
 from flexmoba import flex_plan as flex_plan_module
 from flexmoba.flex_plan import plan_from_selection
 from flexmoba.gate import select_local_chunks
+from flexmoba.tuning import use_tuning
 
 import oracle
 from strategies import Problem, problems, random_inputs
@@ -115,6 +117,75 @@ def test_block_tables_of_queries_after_a_prefix_match_the_dense_virtual_mask(pro
     plan = plan_from_selection(selection, problem.k.shape[1], block_size=block_size, sink=sink,
                                query_start=query_start)
     assert_tables_match_the_dense_virtual_mask(plan, block_size, query_start)
+
+
+def test_the_tables_are_as_wide_as_a_block_of_rows_reads_not_every_key_block():
+    """Memory linear in S: four times the keys, the same table width (a chunk and a block, plus the sink)."""
+    widths = []
+    for seq_len in (4096, 16384):
+        q, k, _ = random_inputs(0, 1, 2, 1, seq_len, 8)
+        plan = moba_flex_plan(q, k, chunk_size=256, top_k=3, sink=True)
+        partial_count, partial, full_count, full = plan.tables
+        assert partial.shape == full.shape == (*partial_count.shape, partial.shape[-1])
+        widths.append(partial.shape[-1])
+    assert widths[0] == widths[1] <= (256 + 128 - 2) // 128 + 3, widths
+
+
+def piece_tables(plan):
+    """The four tables of every piece's widened mask, joined in order of rows."""
+    length = plan.virtual_len // plan.pieces
+    masks = [plan.piece_block_mask(start, start + length) for start in range(0, plan.virtual_len, length)]
+    names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+    return [torch.cat([getattr(m, name) for m in masks], 2) for name in names]
+
+
+@given(problems(max_seq_len=48), st.sampled_from(BLOCK_SIZES), st.booleans(), st.integers(1, 60))
+def test_a_plan_in_pieces_holds_the_same_rows_and_tables_in_equal_pieces_within_the_budget(
+        problem, block_size, sink, entries):
+    whole = plan_of(problem, block_size=block_size, sink=sink)
+    with use_tuning("cpu", flex_table_entries=entries):
+        plan = plan_of(problem, block_size=block_size, sink=sink)
+    Bq, Bk = block_size
+    B, H_kv, L = plan.key_start.shape
+    row_entries = B * H_kv * -(-plan.kv_len // Bk)
+    per_piece = plan.virtual_len // plan.pieces
+    assert plan.virtual_len % plan.pieces == 0 and per_piece % Bq == 0
+    assert per_piece // Bq == 1 or per_piece // Bq * row_entries <= entries
+    assert plan.virtual_len - whole.virtual_len < per_piece  # padding: less than a piece
+    padding = slice(whole.virtual_len, None)
+    assert (plan.key_end[..., padding] == 0).all()
+    for name in ("key_start", "key_end", "source"):
+        assert torch.equal(getattr(plan, name)[..., : whole.virtual_len], getattr(whole, name)), name
+    assert torch.equal(plan.rows, whole.rows)
+    whole_mask = whole.block_mask
+    rows = whole.virtual_len // Bq
+    for got, name in zip(piece_tables(plan), ("kv_num_blocks", "kv_indices", "full_kv_num_blocks",
+                                              "full_kv_indices"), strict=True):
+        want = getattr(whole_mask, name)
+        assert torch.equal(got[:, :, :rows], want), name
+        assert not got[:, :, rows:].any(), name  # the padding blocks list nothing
+    assert_tables_match_the_dense_virtual_mask(plan, block_size)
+
+
+@given(problems(max_seq_len=48), st.sampled_from([4, 8]), st.booleans(), st.integers(1, 60))
+@settings(max_examples=30)
+def test_a_plan_in_pieces_through_the_table_reading_standin_equals_oracle(problem, block, sink, entries):
+    """Each piece's tables as the kernel reads them (a wrong or missing block shows)."""
+    with use_tuning("cpu", flex_table_entries=entries):
+        plan = plan_of(problem, block_size=block, sink=sink)
+    got = plan.attention(problem.q, problem.k, problem.v, flex=flex_standin)
+    torch.testing.assert_close(got.double(), oracle_out(problem), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_cpu_flex_in_pieces_equals_oracle():
+    q, k, v, kw = compiled_case(COMPILED_CASES[1], 0)
+    with use_tuning("cpu", flex_table_entries=1):  # one block of rows per piece
+        plan = moba_flex_plan(q, k, block_size=16, **kw)
+    assert plan.sink and plan.pieces == plan.virtual_len // 16 > 1
+    with torch.no_grad():
+        got = plan.attention(q, k, v, flex=compiled_flex_attention())
+    torch.testing.assert_close(got.double(), oracle.attention(q, k, v, **kw), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("seq_len", [8192, 32768])

@@ -1,0 +1,92 @@
+"""Merge a query's partial attention outputs by their log-sum-exp, one slot at a time.
+
+The regrouped flex plan (:mod:`flexmoba.flex_plan`) gives each (query, selected chunk) pair its
+own virtual row: an output over that chunk's keys and the row's log-sum-exp. A query's MoBA
+output is the softmax-weighted sum of its rows' outputs:
+
+    w_k = softmax_k(lse_k),        y = sum_k w_k o_k.
+
+Plain autograd through ``[B, H, S, K, Dv]`` fp32 copies of the slots would keep K copies of the
+output alive for the backward. Here the forward accumulates one slot at a time into one fp32
+output and saves only the weights (K floats per query); the backward re-reads the slots:
+
+    dL/do_k = w_k g,        dL/dlse_k = w_k (g . o_k - g . y),        g . y = sum_k w_k (g . o_k).
+
+A slot that is not used has weight 0 and is skipped (its row may hold anything).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["merge_by_lse"]
+
+
+def _slot(out: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """Virtual ``out: [B, H_kv, L, Dv]`` at the rows ``row: [B, H, S]`` -> ``[B, H, S, Dv]``."""
+    B, H, S = row.shape
+    H_kv, Dv = out.shape[1], out.shape[-1]
+    index = row.reshape(B, H_kv, -1, 1).expand(-1, -1, -1, Dv)
+    return out.gather(2, index).view(B, H, S, Dv)
+
+
+def _summed_in(dtype: torch.dtype) -> torch.dtype:
+    """fp32, or wider when the inputs are."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def slot_weights(lse: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``[B, H, S, K]`` softmax (at least fp32) over a query's used slots of the rows' log-sum-exp."""
+    B, H, S, K = rows.shape
+    slot_lse = lse.to(_summed_in(lse.dtype)).gather(2, rows.reshape(B, lse.shape[1], -1)).view(B, H, S, K)
+    return torch.softmax(slot_lse.masked_fill(~valid, float("-inf")), dim=-1)
+
+
+class _MergeByLse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, lse, rows, valid):
+        weights = slot_weights(lse, rows, valid)
+        summed_in = torch.promote_types(weights.dtype, _summed_in(out.dtype))
+        merged = torch.zeros(*rows.shape[:3], out.shape[-1], dtype=summed_in, device=out.device)
+        for k in range(rows.shape[-1]):
+            term = weights[..., k, None] * _slot(out, rows[..., k]).to(summed_in)
+            merged += torch.where(valid[..., k, None], term, 0.0)
+        ctx.save_for_backward(out, weights, rows, valid)
+        ctx.lse_dtype = lse.dtype
+        return merged.to(out.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, weights, rows, valid = ctx.saved_tensors
+        B, H, S, K = rows.shape
+        H_kv, Dv = out.shape[1], out.shape[-1]
+        summed_in = torch.promote_types(weights.dtype, _summed_in(out.dtype))
+        g = grad.to(summed_in)
+        grad_out = torch.zeros_like(out)  # each used row is one slot's: one addition each, exact in out's dtype
+        g_dot_slot = torch.zeros(rows.shape, dtype=summed_in, device=out.device)
+        for k in range(K):
+            used = valid[..., k, None]
+            g_dot_slot[..., k] = torch.where(used, g * _slot(out, rows[..., k]).to(summed_in), 0.0).sum(-1)
+            term = torch.where(used, weights[..., k, None] * g, 0.0)
+            index = rows[..., k].reshape(B, H_kv, -1, 1).expand(-1, -1, -1, Dv)
+            grad_out.scatter_add_(2, index, term.reshape(B, H_kv, -1, Dv).to(out.dtype))
+        g_dot_merged = (weights * g_dot_slot).sum(-1, keepdim=True)
+        grad_slot_lse = torch.where(valid, weights * (g_dot_slot - g_dot_merged), 0.0)
+        grad_lse = torch.zeros(out.shape[:3], dtype=summed_in, device=out.device)
+        grad_lse.scatter_add_(2, rows.reshape(B, H_kv, -1), grad_slot_lse.reshape(B, H_kv, -1))
+        return grad_out, grad_lse.to(ctx.lse_dtype), None, None
+
+
+def merge_by_lse(out: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Each query's slots merged by log-sum-exp.
+
+    Args:
+        out: ``[B, H_kv, L, Dv]`` virtual rows' outputs; lse: ``[B, H_kv, L]`` their log-sum-exp.
+        rows: ``[B, H, S, K]`` (long) the virtual row of each (query, slot); a KV head's rows hold
+            its group's query heads, ``H // H_kv`` of them.
+        valid: ``[B, H, S, K]`` (bool) whether the slot is used; every query uses some slot.
+
+    Returns:
+        ``[B, H, S, Dv]`` in ``out``'s dtype, summed in fp32 (or wider inputs' dtype).
+    """
+    return _MergeByLse.apply(out, lse, rows, valid)
