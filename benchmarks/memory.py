@@ -10,6 +10,10 @@ Random inputs (fp32 unless ``--dtype``) ``q: [1, H, S, D]``, ``k, v: [1, H_kv, S
 - ``flex_plan``: :func:`flexmoba.moba_flex_plan` (the regrouped plan and its block tables);
 - ``flex_fwd``: :func:`flexmoba.moba_attention` with ``backend="flex"`` without gradients (the compiled
   kernel; measured on a second call, after the first one compiled it);
+- ``flex_fwd_bwd``: the same call, forward plus ``backward``, on the GPU's code path (no sink key, flex's own
+  log-sum-exp, each piece recomputed in the backward) with the kernel replaced by its footprint
+  (:func:`flex_kernel_footprint`: what the kernel returns, saves and hands back, without its arithmetic), so
+  everything around the kernel is measured and the kernel's own tensors are counted, not its workspace;
 - ``flex_merge``: the plan's log-sum-exp merge (:func:`flexmoba.lse_merge.merge_by_lse`), forward plus
   ``backward``, on random virtual outputs of a plan built before the call;
 - ``block_mask``: :func:`flexmoba.moba_block_mask` (the union BlockMask);
@@ -37,7 +41,8 @@ import torch
 
 from benchmarks.common import DEFAULT_OUT, OneLineArgumentParser, finish_report, peak_extra_mb, print_row
 
-PATHS = ("gate", "gather_fwd", "gather_fwd_bwd", "flex_plan", "flex_fwd", "flex_merge", "block_mask", "decode")
+PATHS = ("gate", "gather_fwd", "gather_fwd_bwd", "flex_plan", "flex_fwd", "flex_fwd_bwd", "flex_merge", "block_mask",
+         "decode")
 SEQ_LENS = [2**15, 2**16, 2**17, 2**18, 2**19, 2**20]
 COLUMNS = [("path", "path"), ("seq_len", "S"), ("heads", "H"), ("peak_mib", "peak (MiB)"),
            ("growth", "x per doubling"), ("fit_mib", "fit (MiB)"), ("fit_error", "fit error"),
@@ -57,7 +62,8 @@ def call_of(args, path: str, seq_len: int):
     import flexmoba
 
     spec = flexmoba.MobaSpec(args.chunk_size, args.top_k, backend="gather")
-    q, k, v = inputs(args, seq_len, requires_grad=path == "gather_fwd_bwd")
+    flex_spec = flexmoba.MobaSpec(args.chunk_size, args.top_k, backend="flex")
+    q, k, v = inputs(args, seq_len, requires_grad=path.endswith("_bwd"))
     if path == "gate":
         return lambda: flexmoba.select_chunks(q, k, spec), {}
     if path == "gather_fwd":
@@ -67,14 +73,47 @@ def call_of(args, path: str, seq_len: int):
     if path == "flex_plan":
         return lambda: flexmoba.moba_flex_plan(q, k, spec), {}
     if path == "flex_fwd":
-        flex = torch.no_grad()(lambda: flexmoba.moba_attention(q, k, v, spec, backend="flex"))
+        flex = torch.no_grad()(lambda: flexmoba.moba_attention(q, k, v, flex_spec))
         flex()  # compiles the kernel for this shape
         return flex, {}
+    if path == "flex_fwd_bwd":
+        def flex_fwd_bwd():
+            with flexmoba.use_flex_attention(flex_kernel_footprint):
+                flexmoba.moba_attention(q, k, v, flex_spec).sum().backward()
+        return flex_fwd_bwd, {}
     if path == "flex_merge":
         return merge_step(args, q, k, spec)
     if path == "block_mask":
         return lambda: flexmoba.moba_block_mask(q, k, spec), {}
     return decode_step(args, k, v, spec)
+
+
+class _KernelFootprint(torch.autograd.Function):
+    """FlexAttention's tensors without its arithmetic: forward returns the output ``[B, H_kv, L, Dv]`` (q's
+    dtype) and log-sum-exp ``[B, H_kv, L]`` (fp32) and saves them with q, k, v; backward allocates its fp32
+    row sums ``[B, H_kv, L]`` and returns dq, dk, dv."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+        lse = torch.zeros(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        row_sums = torch.zeros_like(lse)  # noqa: F841 - allocated as the kernel does, alive until it returns
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+def flex_kernel_footprint(q, k, v, score_mod=None, block_mask=None, scale=None, enable_gqa=False, *,
+                          return_aux=None, **_):
+    """A ``flex_attention`` with the compiled kernel's memory (:class:`_KernelFootprint`), for measuring."""
+    from torch.nn.attention.flex_attention import AuxOutput
+
+    out, lse = _KernelFootprint.apply(q, k, v)
+    return (out, AuxOutput(lse=lse, max_scores=None)) if return_aux is not None else out
 
 
 def merge_step(args, q, k, spec):
@@ -113,7 +152,8 @@ def measure_here(args, path: str, seq_len: int) -> dict:
     ``args.profile`` (``cuda``: the code path a GPU runs, e.g. gather without the fused CPU kernel)."""
     from flexmoba.tuning import use_tuning
 
-    with use_tuning(args.profile):
+    changes = {"flex_table_entries": args.flex_table_entries} if args.flex_table_entries else {}
+    with use_tuning(args.profile, **changes):
         return _measure(args, path, seq_len)
 
 
@@ -137,7 +177,7 @@ def measure_in_fresh_process(args, path: str, seq_len: int) -> dict:
 
 def settings(args) -> list[str]:
     return ["--heads", str(args.heads), "--kv_heads", str(args.kv_heads), "--head_dim", str(args.head_dim),
-            "--dtype", args.dtype, "--profile", args.profile,
+            "--dtype", args.dtype, "--profile", args.profile, "--flex_table_entries", str(args.flex_table_entries or 0),
             "--moba_chunk_size", str(args.chunk_size), "--moba_top_k", str(args.top_k)]
 
 
@@ -172,6 +212,9 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--profile", choices=("cpu", "cuda"), default="cpu",
                         help="the tuning profile whose code paths run (cuda: a GPU's, here on the CPU)")
+    parser.add_argument("--flex_table_entries", type=int, default=0,
+                        help="the flex plan's table entries per piece (default: the profile's); smaller runs short "
+                             "sequences in pieces as long ones run")
     parser.add_argument("--moba_chunk_size", dest="chunk_size", type=int, default=512)
     parser.add_argument("--moba_top_k", dest="top_k", type=int, default=3)
     parser.add_argument("--one", nargs=2, metavar=("PATH", "S"), help=argparse.SUPPRESS)  # one, in this process
@@ -194,6 +237,7 @@ def main(argv=None) -> None:
     shape = f"h{args.heads}" if (args.kv_heads, args.head_dim, args.dtype) == (args.heads, 64, "float32") else \
         f"h{args.heads}_kv{args.kv_heads}_d{args.head_dim}_{args.dtype}"
     shape += "" if args.profile == "cpu" else f"_{args.profile}_profile"
+    shape += f"_pieces_of_{args.flex_table_entries}" if args.flex_table_entries else ""
     finish_report(f"memory_{shape}", rows, COLUMNS, args.out)
 
 

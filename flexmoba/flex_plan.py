@@ -172,26 +172,29 @@ class MoBAFlexPlan:
         """
         flex = active_flex_attention() if flex is None else flex
         scale = validation.softmax_scale(scale, q)
-        virtual_q = self.gather_queries(q)
         if self.sink:
-            out, lse = _flex_with_sink(flex, self, virtual_q, q, k, v, scale)
+            out, lse = _flex_with_sink(flex, self, q, k, v, scale)
         else:
-            out, lse = self.run_in_pieces(flex, virtual_q, k, v, scale)
+            out, lse = self.run_in_pieces(flex, q, k, v, scale)
         return merge_by_lse(out, lse.float(), self.rows, self.valid)
 
-    def run_in_pieces(self, flex: Callable, virtual_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                      sink_scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Flex over the virtual rows ``virtual_q: [B, H_kv, L, D]``, piece by piece -> (out
-        ``[B, H_kv, L, Dv]``, lse ``[B, H_kv, L]``), or (out, None) with the sink's scores
-        ``sink_scores: [B, H_kv, L]`` (then ``k, v`` carry the sink key)."""
+    def run_in_pieces(self, flex: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
+                      sink_scores: torch.Tensor | None = None,
+                      virtual_q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Flex over the virtual rows of ``q: [B, H, S, D]``, piece by piece -> (out ``[B, H_kv, L, Dv]``,
+        lse ``[B, H_kv, L]``), or (out, None) with the sink's scores ``sink_scores: [B, H_kv, L]`` (then
+        ``k, v`` carry the sink key). Each piece gathers its rows of ``q`` itself (or slices
+        ``virtual_q: [B, H_kv, L, D]`` when given), so with gradients and several pieces, which recompute
+        their flex call in the backward, no copy of the virtual queries outlives its piece."""
         length = self.virtual_len // self.pieces
-        recompute = self.pieces > 1 and torch.is_grad_enabled() and any(t.requires_grad for t in (virtual_q, k, v))
+        recompute = self.pieces > 1 and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         outs, lses = [], []
         for start in range(0, self.virtual_len, length):
-            call = functools.partial(self._flex_piece, flex, start, start + length, scale)
-            rows = slice(start, start + length)
-            scores = None if sink_scores is None else sink_scores[:, :, rows].contiguous()
-            args = (virtual_q[:, :, rows], k, v, scores)
+            end = start + length
+            rows = q if virtual_q is None else virtual_q[:, :, start:end]
+            scores = None if sink_scores is None else sink_scores[:, :, start:end].contiguous()
+            call = functools.partial(self._flex_piece, flex, start, end, scale, virtual_q is None)
+            args = (rows, k, v, scores)
             out, lse = checkpoint(call, *args, use_reentrant=False) if recompute else call(*args)
             outs.append(out)
             lses.append(lse)
@@ -199,7 +202,8 @@ class MoBAFlexPlan:
             return outs[0], lses[0]
         return torch.cat(outs, 2), None if sink_scores is not None else torch.cat(lses, 2)
 
-    def _flex_piece(self, flex, start, end, scale, virtual_q, k, v, sink_scores):
+    def _flex_piece(self, flex, start, end, scale, gather, rows, k, v, sink_scores):
+        virtual_q = self.gather_queries(rows, start, end) if gather else rows
         block_mask = self.piece_block_mask(start, end)
         if sink_scores is None:
             out, aux = flex(virtual_q, k, v, block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True))
@@ -211,12 +215,13 @@ class MoBAFlexPlan:
 
         return flex(virtual_q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale), None
 
-    def gather_queries(self, q: torch.Tensor) -> torch.Tensor:
-        """``[B, H, S, D]`` -> ``[B, H_kv, L, D]``: the query feeding each virtual row."""
+    def gather_queries(self, q: torch.Tensor, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """``[B, H, S, D]`` -> ``[B, H_kv, end - start, D]``: the query feeding each virtual row of
+        ``[start, end)`` (default: all ``L``)."""
         B, H, S, D = q.shape
         H_kv = self.source.shape[1]
         grouped = q.reshape(B, H_kv, (H // H_kv) * S, D)
-        return grouped.gather(2, self.source[..., None].expand(-1, -1, -1, D))
+        return grouped.gather(2, self.source[:, :, start:end, None].expand(-1, -1, -1, D))
 
     def merge(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """Virtual ``out: [B, H_kv, L, Dv]``, ``lse: [B, H_kv, L]`` -> ``[B, H, S, Dv]`` by log-sum-exp."""
@@ -491,15 +496,16 @@ def _sink_scores(plan: MoBAFlexPlan, virtual_q: torch.Tensor, q: torch.Tensor, k
     return torch.nan_to_num(score, nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def _flex_with_sink(flex, plan: MoBAFlexPlan, virtual_q, q, k, v, scale):
+def _flex_with_sink(flex, plan: MoBAFlexPlan, q, k, v, scale):
     """Flex over keys plus the sink; returns (out ``[B, H_kv, L, Dv]``, lse ``[B, H_kv, L]`` fp32)."""
     B, H_kv, S, Dv = v.shape
+    virtual_q = plan.gather_queries(q)
     c = _sink_scores(plan, virtual_q, q, k, scale)
     k_ext = torch.cat([k, k.new_zeros(B, H_kv, 1, k.shape[-1])], 2)
     v_ext = v.new_zeros(B, H_kv, S + 1, Dv + 1)
     v_ext[:, :, :S, :Dv] = v
     v_ext[:, :, S, Dv] = 1
-    out, _ = plan.run_in_pieces(flex, virtual_q, k_ext, v_ext, scale, sink_scores=c)
+    out, _ = plan.run_in_pieces(flex, q, k_ext, v_ext, scale, sink_scores=c, virtual_q=virtual_q)
     p = out[..., Dv].float()
     lse = c + torch.log1p(-p) - torch.log(p)
     out = out[..., :Dv] / (1 - p[..., None]).to(out.dtype)

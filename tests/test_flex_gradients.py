@@ -108,6 +108,27 @@ def test_plan_in_pieces_recomputes_each_piece_s_flex_call_in_the_backward_only_w
         assert calls == [BLOCK] * (2 * plan.pieces)
 
 
+def saved_shapes(plan, q, k, v):
+    """Shapes of the tensors autograd saves for the backward of ``plan.attention``."""
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+        plan.attention(*(t.clone().requires_grad_() for t in (q, k, v)))
+    return shapes
+
+
+def test_plan_in_pieces_keeps_no_copy_of_the_virtual_queries_for_the_backward():
+    """Several pieces: each gathers its rows of q inside its recomputed call. One piece keeps them."""
+    problem = CASES["gqa"]
+    q, k = problem.q, problem.k
+    v = seeded_randn(k[..., :3])  # Dv 3, D 8: a saved [.., L, 8] tensor can only be virtual queries
+    with use_flex_attention(flex_standin):
+        for entries, pieces_keep_them in ((1, False), (2**30, True)):
+            with use_tuning("cpu", flex_table_entries=entries):
+                plan = moba_flex_plan(q, k, chunk_size=problem.chunk_size, top_k=problem.top_k, block_size=BLOCK)
+            virtual_queries = [s for s in saved_shapes(plan, q, k, v) if s[-2:] == (plan.virtual_len, q.shape[-1])]
+            assert bool(virtual_queries) == pieces_keep_them, (plan.pieces, virtual_queries)
+
+
 @pytest.mark.parametrize("backend", ["flex", "flex_union"])
 @pytest.mark.parametrize("name", ["gqa", "documents", "ragged", "custom_scale"])
 def test_moba_attention_flex_backends_train(backend, name):

@@ -10,7 +10,8 @@ from benchmarks.million import check_rows, reference_row, sampled_rows
 
 import oracle
 
-ARGS = argparse.Namespace(chunk_size=16, top_k=3, heads=2, kv_heads=1, head_dim=8, dtype="float32", profile="cpu")
+ARGS = argparse.Namespace(chunk_size=16, top_k=3, heads=2, kv_heads=1, head_dim=8, dtype="float32", profile="cpu",
+                          flex_table_entries=0)
 
 
 def small_problem(seed: int = 0, seq_len: int = 80):
