@@ -21,8 +21,8 @@ padding per chunk is paid once per group instead of once per head.
 The virtual length depends only on (B, H, H_kv, S, chunk_size, top_k, block size), never on
 the selection, so one compiled kernel serves every step of a run.
 
-The GPU path: flex returns each row's log-sum-exp, and the merge is plain autograd, so
-gradients reach q, k and v through both flex's output and its LSE. Nothing on it reads a
+The GPU path: flex returns each row's log-sum-exp, and the merge is differentiable in both, so
+gradients reach q, k and v through flex's output and its LSE. Nothing on it reads a
 tensor back to the host (no ``.item()``, ``bool(tensor)`` or ``nonzero``).
 
 Log-sum-exp with the compiled CPU kernel. It cannot return it (torch 2.11-2.14), so the plan
@@ -43,21 +43,19 @@ keeps its block tables only that wide (``[B, H_kv, L / Bq, W]``). The kernels ta
 as every key block (compiled CPU flex refuses narrower ones; torch transposes them for the
 backward by their width), so the virtual rows run in equal pieces, each widened only while it
 runs, with at most ``Tuning.flex_table_entries`` entries per table. With more than one piece
-and gradients, each piece's flex call is recomputed in the backward (activation checkpointing)
-so that only one piece's tables are alive at a time. The merge accumulates one slot at a time
-(:mod:`flexmoba.lse_merge`).
+and gradients, the forward keeps no virtual rows and each piece's flex call runs again in the
+backward (:mod:`flexmoba.recomputed_plan`), so one piece's tables and rows are alive at a time.
+The merge accumulates one slot at a time (:mod:`flexmoba.lse_merge`).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask
-from torch.utils.checkpoint import checkpoint
 
 from flexmoba import validation
 from flexmoba.block_mask import DEFAULT_BLOCK_SIZE, listed_first
@@ -67,6 +65,7 @@ from flexmoba.index_math import exclusive_cumsum, sort_key_dtype
 from flexmoba.lse_merge import merge_by_lse
 from flexmoba.masks import check_flex_index
 from flexmoba.pair_counts import past_chunk_slots
+from flexmoba.recomputed_plan import recomputed_attention
 from flexmoba.spec import MobaSpec, takes_settings
 from flexmoba.tuning import tuning_for
 
@@ -174,36 +173,39 @@ class MoBAFlexPlan:
         scale = validation.softmax_scale(scale, q)
         if self.sink:
             out, lse = _flex_with_sink(flex, self, q, k, v, scale)
+        elif self.pieces > 1 and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            return recomputed_attention(self, flex, q, k, v, scale)
         else:
             out, lse = self.run_in_pieces(flex, q, k, v, scale)
-        return merge_by_lse(out, lse.float(), self.rows, self.valid)
+        return merge_by_lse(out, lse, self.rows, self.valid)
 
     def run_in_pieces(self, flex: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
                       sink_scores: torch.Tensor | None = None,
                       virtual_q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Flex over the virtual rows of ``q: [B, H, S, D]``, piece by piece -> (out ``[B, H_kv, L, Dv]``,
         lse ``[B, H_kv, L]``), or (out, None) with the sink's scores ``sink_scores: [B, H_kv, L]`` (then
-        ``k, v`` carry the sink key). Each piece gathers its rows of ``q`` itself (or slices
-        ``virtual_q: [B, H_kv, L, D]`` when given), so with gradients and several pieces, which recompute
-        their flex call in the backward, no copy of the virtual queries outlives its piece."""
+        ``k, v`` carry the sink key). Each piece gathers its rows of ``q`` (or slices ``virtual_q:
+        [B, H_kv, L, D]`` when given)."""
         length = self.virtual_len // self.pieces
-        recompute = self.pieces > 1 and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         outs, lses = [], []
         for start in range(0, self.virtual_len, length):
             end = start + length
-            rows = q if virtual_q is None else virtual_q[:, :, start:end]
-            scores = None if sink_scores is None else sink_scores[:, :, start:end].contiguous()
-            call = functools.partial(self._flex_piece, flex, start, end, scale, virtual_q is None)
-            args = (rows, k, v, scores)
-            out, lse = checkpoint(call, *args, use_reentrant=False) if recompute else call(*args)
+            out, lse = self.flex_piece(
+                flex, start, end, scale, q, k, v,
+                sink_scores=None if sink_scores is None else sink_scores[:, :, start:end].contiguous(),
+                virtual_q=None if virtual_q is None else virtual_q[:, :, start:end])
             outs.append(out)
             lses.append(lse)
         if self.pieces == 1:
             return outs[0], lses[0]
         return torch.cat(outs, 2), None if sink_scores is not None else torch.cat(lses, 2)
 
-    def _flex_piece(self, flex, start, end, scale, gather, rows, k, v, sink_scores):
-        virtual_q = self.gather_queries(rows, start, end) if gather else rows
+    def flex_piece(self, flex: Callable, start: int, end: int, scale: float, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, *, sink_scores: torch.Tensor | None = None,
+                   virtual_q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One flex call over virtual rows ``[start, end)``: (out ``[B, H_kv, end - start, Dv]``, lse), or
+        (out, None) with the sink's scores of those rows."""
+        virtual_q = self.gather_queries(q, start, end) if virtual_q is None else virtual_q
         block_mask = self.piece_block_mask(start, end)
         if sink_scores is None:
             out, aux = flex(virtual_q, k, v, block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True))
@@ -222,10 +224,6 @@ class MoBAFlexPlan:
         H_kv = self.source.shape[1]
         grouped = q.reshape(B, H_kv, (H // H_kv) * S, D)
         return grouped.gather(2, self.source[:, :, start:end, None].expand(-1, -1, -1, D))
-
-    def merge(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        """Virtual ``out: [B, H_kv, L, Dv]``, ``lse: [B, H_kv, L]`` -> ``[B, H, S, Dv]`` by log-sum-exp."""
-        return merge_by_lse(out, lse, self.rows, self.valid)
 
 
 def virtual_lengths(heads_per_kv: int, seq_len: int, chunk_size: int, top_k: int, block_q: int,
@@ -403,8 +401,8 @@ def _check_intervals(key_start: torch.Tensor, key_end: torch.Tensor) -> None:
 
 
 def _interval_mask_mod(key_start: torch.Tensor, key_end: torch.Tensor, sink_at: int | None):
-    """Virtual row r attends keys in ``[key_start[r], key_end[r])`` (and the sink key)."""
-    _check_intervals(key_start, key_end)
+    """Virtual row r attends keys in ``[key_start[r], key_end[r])`` (and the sink key); the plan
+    checked the rows' offsets (:func:`_check_intervals`)."""
     if sink_at is None:
         def mask_mod(b, h, q_idx, kv_idx):
             return (kv_idx >= key_start[b, h, q_idx]) & (kv_idx < key_end[b, h, q_idx])

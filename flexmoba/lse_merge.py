@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["merge_by_lse"]
+__all__ = ["merge_by_lse", "query_lse"]
 
 
 def _slot(out: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
@@ -35,11 +35,29 @@ def _summed_in(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def slot_weights(lse: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """``[B, H, S, K]`` softmax (at least fp32) over a query's used slots of the rows' log-sum-exp."""
+def _slot_lse(lse: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``[B, H, S, K]`` (at least fp32) the rows' log-sum-exp per slot, -inf where the slot is not used."""
     B, H, S, K = rows.shape
     slot_lse = lse.to(_summed_in(lse.dtype)).gather(2, rows.reshape(B, lse.shape[1], -1)).view(B, H, S, K)
-    return torch.softmax(slot_lse.masked_fill(~valid, float("-inf")), dim=-1)
+    return slot_lse.masked_fill(~valid, float("-inf"))
+
+
+def slot_weights(lse: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``[B, H, S, K]`` softmax over a query's used slots of the rows' log-sum-exp."""
+    return torch.softmax(_slot_lse(lse, rows, valid), dim=-1)
+
+
+def query_lse(lse: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``[B, H, S]`` each query's log-sum-exp over all the keys it attends (its used slots)."""
+    return torch.logsumexp(_slot_lse(lse, rows, valid), dim=-1)
+
+
+def _masked_product(x: torch.Tensor, y: torch.Tensor, used: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x * y`` in ``dtype``, 0 where not ``used``: one new tensor, the rest in place (the merge runs
+    at a million tokens, where every ``[B, H, S, Dv]`` fp32 temporary counts)."""
+    product = x.to(dtype, copy=True)
+    product.mul_(y)
+    return product.masked_fill_(~used, 0.0)
 
 
 class _MergeByLse(torch.autograd.Function):
@@ -49,8 +67,7 @@ class _MergeByLse(torch.autograd.Function):
         summed_in = torch.promote_types(weights.dtype, _summed_in(out.dtype))
         merged = torch.zeros(*rows.shape[:3], out.shape[-1], dtype=summed_in, device=out.device)
         for k in range(rows.shape[-1]):
-            term = weights[..., k, None] * _slot(out, rows[..., k]).to(summed_in)
-            merged += torch.where(valid[..., k, None], term, 0.0)
+            merged += _masked_product(_slot(out, rows[..., k]), weights[..., k, None], valid[..., k, None], summed_in)
         ctx.save_for_backward(out, weights, rows, valid)
         ctx.lse_dtype = lse.dtype
         return merged.to(out.dtype)
@@ -61,15 +78,15 @@ class _MergeByLse(torch.autograd.Function):
         B, H, S, K = rows.shape
         H_kv, Dv = out.shape[1], out.shape[-1]
         summed_in = torch.promote_types(weights.dtype, _summed_in(out.dtype))
-        g = grad.to(summed_in)
         grad_out = torch.zeros_like(out)  # each used row is one slot's: one addition each, exact in out's dtype
         g_dot_slot = torch.zeros(rows.shape, dtype=summed_in, device=out.device)
         for k in range(K):
             used = valid[..., k, None]
-            g_dot_slot[..., k] = torch.where(used, g * _slot(out, rows[..., k]).to(summed_in), 0.0).sum(-1)
-            term = torch.where(used, weights[..., k, None] * g, 0.0)
+            g_dot_slot[..., k] = _masked_product(_slot(out, rows[..., k]), grad, used, summed_in).sum(-1)
+            term = _masked_product(grad, weights[..., k, None], used, summed_in).to(out.dtype)
             index = rows[..., k].reshape(B, H_kv, -1, 1).expand(-1, -1, -1, Dv)
-            grad_out.scatter_add_(2, index, term.reshape(B, H_kv, -1, Dv).to(out.dtype))
+            grad_out.scatter_add_(2, index, term.view(B, H_kv, -1, Dv))
+            del term
         g_dot_merged = (weights * g_dot_slot).sum(-1, keepdim=True)
         grad_slot_lse = torch.where(valid, weights * (g_dot_slot - g_dot_merged), 0.0)
         grad_lse = torch.zeros(out.shape[:3], dtype=summed_in, device=out.device)
