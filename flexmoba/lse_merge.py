@@ -55,7 +55,7 @@ def query_lse(lse: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> tor
 def _masked_product(x: torch.Tensor, y: torch.Tensor, used: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x * y`` in ``dtype``, 0 where not ``used``: one new tensor, the rest in place (the merge runs
     at a million tokens, where every ``[B, H, S, Dv]`` fp32 temporary counts)."""
-    product = x.to(dtype, copy=True)
+    product = x.to(dtype, copy=True, memory_format=torch.contiguous_format)
     product.mul_(y)
     return product.masked_fill_(~used, 0.0)
 

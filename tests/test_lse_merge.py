@@ -82,3 +82,15 @@ def test_low_precision_outputs_are_summed_in_fp32_and_returned_in_their_dtype(dt
     want = merge_written_out(low.double(), lse.double(), rows, valid)
     torch.testing.assert_close(merged.double(), want.to(dtype).double(), atol=1e-2 if dtype == torch.bfloat16 else 1e-6,
                                rtol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+
+
+def test_a_gradient_laid_out_as_the_model_lays_it_out_is_taken():
+    """A model's attention output is often read as ``[B, S, H, Dv]``: its gradient arrives transposed."""
+    out, lse, rows, valid = case(6, 1, 4, 2, 5, 3, Dv=2)
+    grad = torch.randn(1, 5, 4, 2, dtype=torch.float64).transpose(1, 2)
+    assert not grad.is_contiguous()
+    o = out.clone().requires_grad_()
+    merge_by_lse(o, lse, rows, valid).backward(grad)
+    want = out.clone().requires_grad_()
+    merge_written_out(want, lse, rows, valid).backward(grad)
+    torch.testing.assert_close(o.grad, want.grad)
