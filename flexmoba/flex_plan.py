@@ -88,7 +88,8 @@ class MoBAFlexPlan:
         block_size: FlexAttention's ``(Q, KV)`` block.
         kv_len: keys ``S`` (``S + 1`` with the sink key).
         pieces: the virtual rows run in this many equal pieces (a multiple of ``Bq`` rows each).
-        compute_q_blocks: the pieces' masks carry the transposed tables the backward reads.
+        compute_q_blocks: the pieces' masks carry the transposed tables the backward reads (built
+            only while gradients are enabled: not in a forward whose backward recomputes it).
         key_start, key_end: ``[B, H_kv, L]`` the key interval ``[start, end)`` of each virtual
             row; empty for padding rows.
         source: ``[B, H_kv, L]`` which query feeds each virtual row, as ``head_in_group * S + t``.
@@ -145,7 +146,7 @@ class MoBAFlexPlan:
         return BlockMask.from_kv_blocks(
             partial_count[:, :, first:last], widened(partial), full_count[:, :, first:last], widened(full),
             BLOCK_SIZE=self.block_size, mask_mod=mask_mod, seq_lengths=(end - start, self.kv_len),
-            compute_q_blocks=self.compute_q_blocks)
+            compute_q_blocks=self.compute_q_blocks and torch.is_grad_enabled())
 
     def visited_area(self) -> int:
         """(query, key) pairs in the key blocks the kernel visits, the sink key's block excluded."""
