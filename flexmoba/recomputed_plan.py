@@ -63,6 +63,7 @@ class _RecomputedPlanAttention(torch.autograd.Function):
         q, k, v, y, per_query_lse = ctx.saved_tensors
         plan = ctx.plan
         leaves = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad[:3], strict=True)]
+        grad = grad.contiguous()  # read once per piece: a transposed one would be copied each time
         g_dot_y = (grad.float() * y.float()).sum(-1)  # [B, H, S]
         read = _rows_read(plan)
         length = plan.virtual_len // plan.pieces
