@@ -3,8 +3,9 @@
 #
 #   part         what                                                        cap   H200 estimate
 #   device       the GPU, CUDA and torch                                      30 s    5 s
-#   oracle       every timed method vs the fp32 oracle, fwd+bwd: bf16 at     150 s   80 s (7 flex
-#                512/3 and 128/8, fp32 at 512/3, documents at S 3000                      compiles)
+#   oracle       every timed method vs the fp32 oracle, fwd+bwd: bf16 at     150 s  100 s (9 flex
+#                512/3 and 128/8, fp32 at 512/3, documents at S 3000; the                 compiles)
+#                union mask's compact tables vs its full width at S 64K
 #   determinism  two flex fwd+bwd runs bitwise equal in deterministic mode    60 s   25 s
 #   flash        flex Triton vs BACKEND=FLASH fwd+bwd, if flash_attn.cute     90 s   40 s (5 s without)
 #   timing       the methods that passed the oracle: regrouped/union flex,   240 s  240 s (fills its

@@ -11,6 +11,11 @@ timed one) is checked on every config, the others on the first config (each new 
 compiles new flex kernels). One more case runs ``moba_flex`` with documents at a length off the
 block grid (the first dtype only).
 
+The last case, ``union_compact``, checks the union mask's compact tables (``compact=True``, only as
+wide as a query tile can read; CUDA's default) against the same mask at torch's full width through the
+same compiled kernel, forward and backward, at a length where compact is narrower (``--compact_seq_len``,
+65536, chunk 128, top-2: 259 columns of 512).
+
 ``--out`` (JSON) is rewritten after every check, so a part cut short still tells the timing
 part which methods passed; :func:`not_timed` reads it. A Markdown table goes beside it.
 
@@ -32,7 +37,8 @@ from benchmarks.attention import BASELINES, MOBA_BACKENDS, Case, baseline_runner
 from benchmarks.common import OneLineArgumentParser, markdown_table
 from benchmarks.device import describe
 from benchmarks.verdict import one_line, verdict
-from flexmoba import moba_attention, moba_reference
+from flexmoba import moba_attention, moba_reference, select_chunks, selection_block_mask
+from flexmoba.compiled_flex import active_flex_attention
 
 METHODS = ("moba_flex", "moba_flex_union", "moba_gather", "sdpa_causal")  # what gpu.sh times
 TOLERANCE = {"float32": 5e-3, "bfloat16": 3e-2, "float16": 1e-2}  # of max |ref|
@@ -85,8 +91,19 @@ def outputs_and_grads(fn, q, k, v, grad, backward: bool) -> list[torch.Tensor]:
     return [out.detach()] + [t.grad for t in leaves]
 
 
+def union_mask_call(shape: Shape, compact: bool):
+    """flex over the union mask of ``q``'s selection, its tables compact or as wide as every key block."""
+    def forward(q, k, v):
+        selection = select_chunks(q, k, chunk_size=shape.chunk_size, top_k=shape.top_k)
+        block_mask = selection_block_mask(selection, compute_q_blocks=q.requires_grad, compact=compact)
+        return active_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    return forward
+
+
 def method_under_test(method: str, shape: Shape, q, k, v, doc):
     """(forward(q, k, v), whether it has a backward here, the oracle's forward)."""
+    if method == "union_compact":
+        return union_mask_call(shape, True), q.device.type == "cuda", union_mask_call(shape, False)
     if method == "sdpa_causal":
         runner = baseline_runner(Case(method, q, k, v))
         return runner.forward, runner.backward_ok, lambda q, k, v: moba_reference(
@@ -185,6 +202,9 @@ def main(argv=None) -> int:
     p.add_argument("--head_dim", type=int, default=128)
     p.add_argument("--docs_seq_len", type=int, default=3000,
                    help="S of the documents case (moba_flex, first config and dtype); 0: none")
+    p.add_argument("--compact_seq_len", type=int, default=65536,
+                   help="S of the union mask's compact-tables case (chunk 128, top-2, first dtype; CUDA only: "
+                        "compiled CPU flex refuses compact tables); 0: none")
     p.add_argument("--out", type=Path, default=Path("runs/benchmarks/gpu/checks.json"))
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -200,6 +220,8 @@ def main(argv=None) -> int:
         c, t = configs[0]
         plan.append(("moba_flex", Shape(args.batch, args.heads, args.kv_heads, args.docs_seq_len, args.head_dim,
                                         c, t, documents=True), args.dtypes[0]))
+    if args.compact_seq_len and "moba_flex_union" in args.methods and device.type == "cuda":
+        plan.append(("union_compact", Shape(args.batch, 2, 1, args.compact_seq_len, 64, 128, 2), args.dtypes[0]))
     records: list[dict] = []
     for method, shape, dtype_name in plan:
         record = check(method, shape, dtype_name, device)

@@ -16,7 +16,10 @@ Random inputs (fp32 unless ``--dtype``) ``q: [1, H, S, D]``, ``k, v: [1, H_kv, S
   everything around the kernel is measured and the kernel's own tensors are counted, not its workspace;
 - ``flex_merge``: the plan's log-sum-exp merge (:func:`flexmoba.lse_merge.merge_by_lse`), forward plus
   ``backward``, on random virtual outputs of a plan built before the call;
-- ``block_mask``: :func:`flexmoba.moba_block_mask` (the union BlockMask);
+- ``block_mask``: :func:`flexmoba.moba_block_mask` (the union BlockMask) as CPU builds it: tables as wide as
+  every key block (torch's format, quadratic), the backward's transposed tables included;
+- ``block_mask_compact``: the same mask's forward tables as CUDA builds them, compact (``compact=True``,
+  ``compute_q_blocks=False``);
 - ``decode``: one decoding step (one new token) after an S-token prefill of a
   :class:`flexmoba.MoBAKVCache` and one step more (which grows its buffers and builds the chunk state's
   key blocks); the cache's own bytes (keys, values, chunk state, at their capacity) are reported apart.
@@ -42,7 +45,7 @@ import torch
 from benchmarks.common import DEFAULT_OUT, OneLineArgumentParser, finish_report, peak_extra_mb, print_row
 
 PATHS = ("gate", "gather_fwd", "gather_fwd_bwd", "flex_plan", "flex_fwd", "flex_fwd_bwd", "flex_merge", "block_mask",
-         "decode")
+         "block_mask_compact", "decode")
 SEQ_LENS = [2**15, 2**16, 2**17, 2**18, 2**19, 2**20]
 COLUMNS = [("path", "path"), ("seq_len", "S"), ("heads", "H"), ("peak_mib", "peak (MiB)"),
            ("growth", "x per doubling"), ("fit_mib", "fit (MiB)"), ("fit_error", "fit error"),
@@ -85,6 +88,8 @@ def call_of(args, path: str, seq_len: int):
         return merge_step(args, q, k, spec)
     if path == "block_mask":
         return lambda: flexmoba.moba_block_mask(q, k, spec), {}
+    if path == "block_mask_compact":
+        return lambda: flexmoba.moba_block_mask(q, k, spec, compute_q_blocks=False, compact=True), {}
     return decode_step(args, k, v, spec)
 
 

@@ -219,12 +219,13 @@ class MoBAFlexPlan:
         return flex(virtual_q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale), None
 
     def gather_queries(self, q: torch.Tensor, start: int = 0, end: int | None = None) -> torch.Tensor:
-        """``[B, H, S, D]`` -> ``[B, H_kv, end - start, D]``: the query feeding each virtual row of
-        ``[start, end)`` (default: all ``L``)."""
-        B, H, S, D = q.shape
+        """``[B, H, S, ...]`` -> ``[B, H_kv, end - start, ...]``: what the query feeding each virtual row
+        of ``[start, end)`` (default: all ``L``) holds: its vector, or any per-query value."""
+        B, H, S = q.shape[:3]
         H_kv = self.source.shape[1]
-        grouped = q.reshape(B, H_kv, (H // H_kv) * S, D)
-        return grouped.gather(2, self.source[:, :, start:end, None].expand(-1, -1, -1, D))
+        grouped = q.reshape(B, H_kv, (H // H_kv) * S, *q.shape[3:])
+        index = self.source[:, :, start:end].reshape(B, H_kv, -1, *([1] * (q.dim() - 3)))
+        return grouped.gather(2, index.expand(-1, -1, -1, *q.shape[3:]))
 
 
 def virtual_lengths(heads_per_kv: int, seq_len: int, chunk_size: int, top_k: int, block_q: int,

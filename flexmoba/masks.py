@@ -13,7 +13,7 @@ import torch
 
 from flexmoba.gate import Selection
 
-__all__ = ["check_flex_index", "dense_moba_mask", "largest_offset", "moba_mask_mod"]
+__all__ = ["check_flex_index", "dense_moba_mask", "largest_offset", "moba_mask_mod", "selected_chunk_ids"]
 
 # Some FlexAttention versions inline a mask_mod's loads from captured tensors with int32
 # index arithmetic: an element past offset 2**31 - 1 is then read from the wrong place and
@@ -21,8 +21,8 @@ __all__ = ["check_flex_index", "dense_moba_mask", "largest_offset", "moba_mask_m
 # tensors it captures with check_flex_index.
 MAX_FLEX_OFFSET = 2**31 - 1
 
-UNION_WAY_OUT = ("at token granularity use backend='flex' (the regrouped plan's mask_mod indexes "
-                 "[B, H_kv, L] virtual rows, not [B, H, S, n_chunks]); else backend='gather' or a smaller batch")
+UNION_WAY_OUT = ("use backend='flex' at token granularity (the regrouped plan's mask_mod indexes [B, H_kv, L] "
+                 "virtual rows), else backend='gather' or a smaller batch")
 
 
 def largest_offset(x: torch.Tensor | tuple[int, ...]) -> int:
@@ -47,27 +47,38 @@ def check_flex_index(name: str, x: torch.Tensor | tuple[int, ...], way_out: str)
                          f"(2**31 - 1) that FlexAttention may index in int32 (a silently wrong mask); {way_out}")
 
 
+def selected_chunk_ids(selection: Selection) -> torch.Tensor:
+    """``[B, H, S, P]`` int32: each query's selected past chunks (local indices), ``-1`` in unused slots."""
+    return torch.where(selection.past_valid, selection.past_chunks, -1).to(torch.int32)
+
+
 def moba_mask_mod(selection: Selection):
     """FlexAttention ``mask_mod`` that encodes the whole selection.
 
     It is exact on its own (eager flex applies only the mask_mod); the block tables only
-    accelerate it. Every mask it returns shares one code object and captures tensors of
-    fixed shapes, so a new mask of an unchanged shape does not recompile.
+    accelerate it. It reads each query's ``P = top_k - 1`` selected chunk ids (``[B, H, S, P]``,
+    linear in S) and compares them with the key's chunk, so no ``[S, n_chunks]`` table exists.
+    Every mask it returns shares one code object and captures tensors of fixed shapes, so a
+    new mask of an unchanged shape does not recompile.
 
-    Raises ``ValueError`` when a captured tensor (``chunks: [B, H, S, n_chunks]`` first)
-    reaches past int32 offsets (:func:`check_flex_index`).
+    Raises ``ValueError`` when a captured tensor reaches past int32 offsets (:func:`check_flex_index`).
     """
-    chunks = selection.chunks
+    chunk_ids = selected_chunk_ids(selection)
     doc_start = selection.layout.doc_start
     local_chunk = selection.layout.local_chunk
-    for name, captured in (("selection.chunks", chunks), ("layout.doc_start", doc_start),
+    for name, captured in (("selection.past_chunks", chunk_ids), ("layout.doc_start", doc_start),
                            ("layout.local_chunk", local_chunk)):
         check_flex_index(name, captured, UNION_WAY_OUT)
+    slots = tuple(range(chunk_ids.shape[-1]))
 
     def mask_mod(b, h, q_idx, kv_idx):
         causal = kv_idx <= q_idx
         same_document = doc_start[b, q_idx] == doc_start[b, kv_idx]
-        return causal & same_document & chunks[b, h, q_idx, local_chunk[b, kv_idx]]
+        key_chunk = local_chunk[b, kv_idx]
+        selected = key_chunk == local_chunk[b, q_idx]  # the own chunk
+        for p in slots:
+            selected = selected | (chunk_ids[b, h, q_idx, p] == key_chunk)
+        return causal & same_document & selected
 
     return mask_mod
 

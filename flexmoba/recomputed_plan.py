@@ -28,15 +28,6 @@ __all__ = ["recomputed_attention"]
 # ``plan`` below is a flexmoba.flex_plan.MoBAFlexPlan (not imported: that module imports this one).
 
 
-def _per_row(x: torch.Tensor, plan, start: int, end: int) -> torch.Tensor:
-    """A per-query ``x: [B, H, S, ...]`` at the virtual rows ``[start, end)`` -> ``[B, H_kv, end - start, ...]``."""
-    B, H, S = x.shape[:3]
-    H_kv = plan.source.shape[1]
-    grouped = x.reshape(B, H_kv, (H // H_kv) * S, *x.shape[3:])
-    index = plan.source[:, :, start:end].reshape(B, H_kv, -1, *([1] * (x.dim() - 3)))
-    return grouped.gather(2, index.expand(-1, -1, -1, *x.shape[3:]))
-
-
 def _rows_read(plan) -> torch.Tensor:
     """``[B, H_kv, L]`` bool: the virtual rows some used slot reads. The rest pad (a chunk's rows to whole
     blocks, which attend its keys, and the pieces to one length) and feed no query."""
@@ -71,10 +62,10 @@ class _RecomputedPlanAttention(torch.autograd.Function):
             end = start + length
             with torch.enable_grad():
                 out, lse = plan.flex_piece(ctx.flex, start, end, ctx.scale, leaves[0], leaves[1], leaves[2])
-            weight = torch.exp(lse.detach().float() - _per_row(per_query_lse, plan, start, end))
+            weight = torch.exp(lse.detach().float() - plan.gather_queries(per_query_lse, start, end))
             weight = weight.masked_fill(~read[:, :, start:end], 0.0)
-            g = _per_row(grad, plan, start, end).float()  # [B, H_kv, n, Dv]
-            grad_lse = weight * ((g * out.detach().float()).sum(-1) - _per_row(g_dot_y, plan, start, end))
+            g = plan.gather_queries(grad, start, end).float()  # [B, H_kv, n, Dv]
+            grad_lse = weight * ((g * out.detach().float()).sum(-1) - plan.gather_queries(g_dot_y, start, end))
             grad_out = g.mul_(weight[..., None]).to(out.dtype)
             torch.autograd.backward((out, lse), (grad_out, grad_lse.to(lse.dtype)))
         return (*(leaf.grad if leaf.requires_grad else None for leaf in leaves), None, None, None)

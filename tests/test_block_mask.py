@@ -1,12 +1,23 @@
 """The BlockMask: its mask_mod equals the oracle, its tables are an exact acceleration."""
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
-from torch.nn.attention.flex_attention import flex_attention
+from torch.nn.attention.flex_attention import _transpose_ordered, flex_attention
 
-from flexmoba import compiled_flex_attention, moba_block_mask, moba_reference, moba_selection
+import flexmoba.block_mask as block_mask_module
+from flexmoba import (
+    compiled_flex_attention,
+    moba_block_mask,
+    moba_reference,
+    moba_selection,
+    select_chunks,
+    selection_block_mask,
+)
+from flexmoba.block_mask import listed_width, transposed_table
 
 import oracle
 from strategies import EXAMPLES, FLEX_SHAPES, problems, random_inputs
@@ -35,14 +46,29 @@ def mask_mod_dense(block_mask, B, H, S):
     return block_mask.mask_mod(b, h, q, kv)
 
 
+def built_mask(problem, block_size, build):
+    """The union mask, built at torch's full width in one group of tiles (``"whole"``), compact
+    (``"compact"``), or a tile at a time (``"tile_by_tile"``)."""
+    if build == "tile_by_tile":
+        with mock.patch.object(block_mask_module, "TABLE_BUILD_ENTRIES", 1):
+            return moba_block_mask(problem.q, problem.k, block_size=block_size, **problem.kwargs)
+    selection = select_chunks(problem.q, problem.k, **problem.kwargs)
+    block_mask = selection_block_mask(selection, block_size, compact=build == "compact")
+    if build == "compact":
+        counts = block_mask.kv_num_blocks + block_mask.full_kv_num_blocks
+        assert int(counts.max()) <= listed_width(selection, block_size) >= block_mask.kv_indices.shape[-1]
+    return block_mask
+
+
+@pytest.mark.parametrize("build", ["whole", "compact", "tile_by_tile"])
 @example(EXAMPLES["all_at_once"], 16, 8)
 @example(EXAMPLES["reused_ids"], 7, 5)
 @example(EXAMPLES["one_token_documents"], 4, 4)
 @example(EXAMPLES["gqa_choice"], 6, 12)
 @given(problems(max_seq_len=48), st.integers(1, 20), st.integers(1, 20))
-def test_mask_mod_and_tables_are_exact(problem, block_q, block_kv):
+def test_mask_mod_and_tables_are_exact(build, problem, block_q, block_kv):
     B, H, S, _ = problem.q.shape
-    block_mask = moba_block_mask(problem.q, problem.k, block_size=(block_q, block_kv), **problem.kwargs)
+    block_mask = built_mask(problem, (block_q, block_kv), build)
     expected = oracle.dense_mask(problem.q, problem.k, **problem.kwargs)
     assert torch.equal(mask_mod_dense(block_mask, B, H, S), expected), problem
 
@@ -63,6 +89,39 @@ def test_tables_are_int32_padded_to_all_kv_blocks():
     assert block_mask.kv_indices.shape == (2, 2, 5, 10)
     assert block_mask.full_kv_indices.shape == (2, 2, 5, 10)
     assert block_mask.seq_lengths == (300, 300)
+
+
+def listed(num, indices):
+    """Each row's listed entries, as lists: a table's meaning, whatever its width and padding."""
+    return [row[:n] for row, n in zip(indices.flatten(0, -2).tolist(), num.flatten().tolist(), strict=True)]
+
+
+def test_compact_tables_are_as_wide_as_a_tile_can_read_and_list_the_same_blocks():
+    q, k, _ = random_inputs(0, 1, 2, 1, 4096, 8)
+    selection = select_chunks(q, k, chunk_size=16, top_k=3)
+    whole = selection_block_mask(selection, 16, compact=False)
+    compact = selection_block_mask(selection, 16, compact=True)
+    width = 2 + (16 + 16 - 2) // 16 + 16 * 2 * 2  # own blocks, then 16 queries x 2 chunks x 2 blocks
+    assert listed_width(selection, (16, 16)) == width
+    assert compact.kv_indices.shape == compact.full_kv_indices.shape == (1, 2, 256, width)
+    assert whole.kv_indices.shape[-1] == 256
+    for attr in ("kv", "full_kv", "q", "full_q"):
+        num, indices = getattr(compact, f"{attr}_num_blocks"), getattr(compact, f"{attr}_indices")
+        assert torch.equal(num, getattr(whole, f"{attr}_num_blocks")), attr
+        assert listed(num, indices) == listed(num, getattr(whole, f"{attr}_indices")), attr
+
+
+@given(problems(max_seq_len=48), st.integers(1, 20), st.integers(1, 20))
+def test_transposed_table_lists_what_torch_s_transposition_lists(problem, block_q, block_kv):
+    block_mask = moba_block_mask(problem.q, problem.k, block_size=(block_q, block_kv), **problem.kwargs)
+    n_blocks = block_mask.kv_indices.shape[-1]
+    for num, indices in ((block_mask.kv_num_blocks, block_mask.kv_indices),
+                         (block_mask.full_kv_num_blocks, block_mask.full_kv_indices)):
+        expected_num, expected_indices = _transpose_ordered(num, indices)
+        got_num, got_indices = transposed_table(num, indices, n_blocks)
+        assert got_indices.shape == expected_indices.shape and got_indices.dtype == torch.int32
+        assert torch.equal(got_num, expected_num)
+        assert listed(got_num, got_indices) == listed(expected_num, expected_indices)
 
 
 @given(problems(max_seq_len=40, token_only=True))

@@ -14,13 +14,11 @@ from flexmoba.masks import MAX_FLEX_OFFSET, check_flex_index, largest_offset, mo
 META = torch.device("meta")
 
 
-def meta_selection(B, H, S, n_chunks):
+def meta_selection(B, H, S, P):
+    """A selection of ``P`` past slots per query, a width no real gate of S tokens returns past S."""
     layout = chunk_layout(B, S, 1, META)
-    chunks = torch.empty(B, H, S, n_chunks, dtype=torch.bool, device=META)
-    past = torch.empty(B, H, S, 1, dtype=torch.long, device=META)
-    selection = Selection(past, past.bool(), layout, MobaSpec(chunk_size=1, top_k=2))
-    selection.__dict__["chunks"] = chunks  # the width under test, which no real layout of S tokens has
-    return selection
+    past = torch.empty(B, H, S, P, dtype=torch.long, device=META)
+    return Selection(past, past.bool(), layout, MobaSpec(chunk_size=1, top_k=P + 1))
 
 
 def test_the_limit_is_int32():
@@ -29,10 +27,17 @@ def test_the_limit_is_int32():
 
 def test_union_mask_mod_at_the_boundary():
     moba_mask_mod(meta_selection(1, 2, 2**15, 2**15))  # 2**31 elements: last offset 2**31 - 1
-    # one more chunk: 2 * 32768 * 32769 = 2**31 + 2**16 elements, last offset 2**31 + 2**16 - 1
-    with pytest.raises(ValueError, match=r"selection.chunks \[1, 2, 32768, 32769\] reaches element offset "
+    # one more slot: 2 * 32768 * 32769 = 2**31 + 2**16 elements, last offset 2**31 + 2**16 - 1
+    with pytest.raises(ValueError, match=r"selection.past_chunks \[1, 2, 32768, 32769\] reaches element offset "
                                          r"2,147,549,183.*backend='flex'"):
         moba_mask_mod(meta_selection(1, 2, 2**15, 2**15 + 1))
+
+
+def test_union_mask_mod_indexes_the_selected_chunks_not_every_chunk():
+    """Its captured tensors are [B, H, S, top_k - 1]: 2**15 + 1 chunks of one token (a [B, H, S, n_chunks]
+    table of 2**31 + 2**16 elements) index far inside int32."""
+    q = torch.empty(1, 2, 2**15 + 1, 4, device=META)
+    moba_mask_mod(select_chunks(q, q, chunk_size=1, top_k=2))
 
 
 def test_offsets_follow_strides_not_element_counts():
@@ -46,19 +51,15 @@ def test_offsets_follow_strides_not_element_counts():
 
 
 def test_flex_union_refuses_a_selection_past_int32_and_names_the_way_out():
-    q = torch.empty(1, 2, 2**15 + 1, 4, device=META)  # chunk_size 1: chunks [1, 2, 32769, 32769]
+    q = torch.empty(1, 2**10 + 1, 2**20, 4, device=META)  # top_k 3: ids [1, 1025, 2**20, 2], 2**31 + 2**21 elements
     with use_flex_attention(flex_standin), pytest.raises(ValueError, match="int32.*backend='flex'"):
-        moba_attention(q, q, q, chunk_size=1, top_k=2, backend="flex_union")
+        moba_attention(q, q, q, chunk_size=8192, top_k=3, backend="flex_union")
 
 
-def test_the_regrouped_plan_indexes_far_less_and_runs_there():
-    """Where the union mask refuses, the plan's rows [B, H_kv, L] are ~S * top_k per head."""
-    q = torch.empty(1, 2, 2**15 + 1, 4, device=META)
-    selection = select_chunks(q, q, chunk_size=1, top_k=2)
-    with pytest.raises(ValueError, match="int32"):
-        moba_mask_mod(selection)
+def test_the_regrouped_plan_runs_on_a_meta_million_tokens():
+    q = torch.empty(1, 2, 2**20, 4, device=META)
     with use_flex_attention(flex_standin):
-        assert moba_attention(q, q, q, chunk_size=512, top_k=2, backend="flex").shape == q.shape
+        assert moba_attention(q, q, q, chunk_size=512, top_k=3, backend="flex").shape == q.shape
 
 
 def test_the_plan_refuses_virtual_rows_past_int32():

@@ -9,13 +9,14 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from flex_standin import flex_standin
 
 from benchmarks import attention, gpu_check, gpu_flash, gpu_mfu, gpu_timing
 from benchmarks.gpu_check import Shape, check, not_timed
 from benchmarks.gpu_determinism import compare_runs
 from benchmarks.gpu_mfu import fit_command, last_values, metrics_csv, mfu_summary
 from benchmarks.verdict import verdict
-from flexmoba import moba_reference
+from flexmoba import moba_reference, use_flex_attention
 
 CPU = torch.device("cpu")
 MOBA = Shape(batch=1, heads=2, kv_heads=1, seq_len=256, head_dim=16, chunk_size=64, top_k=2)
@@ -39,6 +40,13 @@ def test_the_oracle_check_passes_the_timed_runners():
     for method, shape in (("moba_gather", MOBA), ("sdpa_causal", CAUSAL)):
         record = check(method, shape, "float32", CPU)
         assert record["ok"] and record["backward"] and set(record["errors"]) == {"out", "dq", "dk", "dv"}, record
+
+
+def test_the_compact_union_check_runs_both_masks_through_one_kernel():
+    """CUDA-only in gpu.sh (compiled CPU flex refuses compact tables); here the stand-in kernel runs it."""
+    with use_flex_attention(flex_standin):
+        record = check("union_compact", Shape(1, 2, 1, 256, 16, 16, 2), "float32", CPU)
+    assert record["ok"] and record["errors"]["out"] == 0.0, record
 
 
 def test_the_oracle_check_fails_a_wrong_method(monkeypatch):
