@@ -222,13 +222,13 @@ def transposed_table(num: torch.Tensor, indices: torch.Tensor, n_cols: int) -> t
     spare = B * H * n_cols * T  # unlisted entries sort last
     key = torch.where(listed, column * T + tile, spare).flatten()
     key = key.sort().values
-    column = key // T  # B·H·n_cols for the unlisted
+    sorted_column = key // T  # B·H·n_cols for the unlisted
     counts = torch.zeros(B * H * n_cols + 1, dtype=torch.long, device=device)
-    counts.index_add_(0, column, torch.ones_like(key))
+    counts.index_add_(0, sorted_column, torch.ones_like(key))
     first_entry = counts.cumsum(0) - counts  # where each column's entries start in key
-    rank = torch.arange(key.numel(), device=device) - first_entry[column]
+    rank = torch.arange(key.numel(), device=device) - first_entry[sorted_column]
     out = torch.zeros(spare + 1, dtype=torch.int32, device=device)
-    out.index_copy_(0, torch.where(key < spare, column * T + rank, spare), (key % T).to(torch.int32))
+    out.index_copy_(0, torch.where(key < spare, sorted_column * T + rank, spare), (key % T).to(torch.int32))
     return counts[:-1].view(B, H, n_cols).to(torch.int32), out[:-1].view(B, H, n_cols, T)
 
 
