@@ -36,6 +36,8 @@ SUBCOMMANDS = {
     "export-hf": ("lit.cli.export_hf", "write a Hugging Face LlamaForCausalLM folder from a checkpoint"),
     "import-hf": ("lit.cli.import_hf", "a pretrained Llama (HF folder, GGUF, smollm2) as a flexmoba checkpoint"),
     "context-eval": ("lit.experiments.context_eval", "loss by position and passkey retrieval per attention arm"),
+    "continued-scaling": ("lit.experiments.continued_scaling",
+                          "continued training of a pretrained model per arm at a ladder of budgets, scored"),
     "gap-closed": ("lit.experiments.gap_closed", "how much of MoBA's gap continued training closes, per window"),
     "bench": ("benchmarks", "run a benchmark: flexmoba bench {attention,decode,documents,mask_build,...} --help"),
 }

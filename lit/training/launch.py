@@ -161,7 +161,8 @@ def config_problem(config: Namespace) -> str | None:
         if problem:
             return problem
     for name, rule, holds in (("lr", "a positive float", lambda v: v > 0),
-                              ("warmup_steps", "an int >= 0", lambda v: v >= 0)):
+                              ("warmup_steps", "an int >= 0", lambda v: v >= 0),
+                              ("wsd_decay_steps", "an int >= 0", lambda v: v >= 0)):
         if model.get(name) is not None and not holds(model[name]):
             return f"--model.{name}: must be {rule}, got {model[name]!r}"
     window_checks = (("position_window", position_windows), ("trailing_window", trailing_window))

@@ -36,6 +36,20 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: 
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def warmup_stable_decay(step: int, warmup_steps: int, total_steps: int, decay_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier: linear warmup to 1, constant, then linear decay over the last ``decay_steps`` steps to
+    ``min_lr_ratio`` at ``total_steps`` (Hu et al. 2024). A run without decay (``decay_steps`` 0) resumed with
+    another ``total_steps`` and ``decay_steps`` is one branch of a shared trunk: the stable phase does not
+    depend on where the run ends."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay_start = total_steps - decay_steps
+    if decay_steps == 0 or step < decay_start:
+        return 1.0
+    progress = min(1.0, (step - decay_start + 1) / decay_steps)
+    return 1.0 - (1 - min_lr_ratio) * progress
+
+
 class LitLM(L.LightningModule):
     """Causal language modelling with windowed validation losses.
 
@@ -47,6 +61,9 @@ class LitLM(L.LightningModule):
         warmup_steps: linear warmup steps; then cosine decay to ``min_lr_ratio * lr``.
         lr_decay_steps: where the cosine ends; default: the trainer's last step. Set it to
             stop a run early on the same schedule as a longer one.
+        wsd_decay_steps: instead of the cosine, warmup-stable-decay: the lr stays constant after the
+            warmup until the last ``wsd_decay_steps`` steps of the run, which decay it linearly to
+            ``min_lr_ratio * lr`` (0: no decay, a trunk that branches resume with their own decay).
         position_window: width of the loss-by-position windows.
         trailing_window: the last W positions, reported as ``<stage>/loss_trailing``.
         activation_checkpointing: recompute each block's activations in the backward
@@ -68,6 +85,7 @@ class LitLM(L.LightningModule):
         warmup_steps: int = 100,
         min_lr_ratio: float = 0.1,
         lr_decay_steps: int | None = None,
+        wsd_decay_steps: int | None = None,
         position_window: int = 256,
         trailing_window: int = 256,
         activation_checkpointing: bool = False,
@@ -260,10 +278,14 @@ class LitLM(L.LightningModule):
             lr=hp.lr, betas=tuple(hp.betas),
         )
         total_steps = hp.lr_decay_steps or max(1, int(self.trainer.estimated_stepping_batches))
-        warmup = min(hp.warmup_steps, total_steps)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_cosine(step, max(1, warmup), total_steps, hp.min_lr_ratio)
-        )
+        warmup = max(1, min(hp.warmup_steps, total_steps))
+        if hp.get("wsd_decay_steps") is None:
+            def multiplier(step):
+                return warmup_cosine(step, warmup, total_steps, hp.min_lr_ratio)
+        else:
+            def multiplier(step):
+                return warmup_stable_decay(step, warmup, total_steps, hp.wsd_decay_steps, hp.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # -- bookkeeping --------------------------------------------------------------------

@@ -15,7 +15,7 @@ from flexmoba.model import ModelConfig
 from lit.training.callbacks import AttentionPhaseSwitch
 from lit.training.data import ByteFilesData
 from lit.training.metrics import IGNORE_INDEX
-from lit.training.module import LitLM, warmup_cosine
+from lit.training.module import LitLM, warmup_cosine, warmup_stable_decay
 
 TINY = dict(n_layers=2, d_model=32, n_heads=2, n_kv_heads=1)
 SDPA = MobaSpec(128, 3, backend="sdpa")
@@ -28,6 +28,16 @@ def test_warmup_then_cosine():
     assert warmup_cosine(12, 4, 20, 0.1) == pytest.approx(0.55)
     assert warmup_cosine(20, 4, 20, 0.1) == pytest.approx(0.1)
     assert warmup_cosine(50, 4, 20, 0.1) == pytest.approx(0.1)
+
+
+def test_warmup_stable_decay_is_constant_until_its_last_steps_then_linear():
+    assert warmup_stable_decay(0, 4, 20, 5, 0.1) == pytest.approx(0.25)
+    assert [warmup_stable_decay(s, 4, 20, 5, 0.1) for s in (3, 4, 14)] == [1.0, 1.0, 1.0]
+    decay = [warmup_stable_decay(s, 4, 20, 5, 0.1) for s in range(15, 20)]
+    assert decay == pytest.approx([0.82, 0.64, 0.46, 0.28, 0.1])
+    assert warmup_stable_decay(30, 4, 20, 5, 0.1) == pytest.approx(0.1)
+    # no decay: a trunk, constant whatever its length
+    assert {warmup_stable_decay(s, 4, n, 0, 0.1) for n in (8, 20) for s in range(4, n)} == {1.0}
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "auto"])
