@@ -38,6 +38,8 @@ SUBCOMMANDS = {
     "context-eval": ("lit.experiments.context_eval", "loss by position and passkey retrieval per attention arm"),
     "continued-scaling": ("lit.experiments.continued_scaling",
                           "continued training of a pretrained model per arm at a ladder of budgets, scored"),
+    "continued-scaling-report": ("lit.experiments.continued_scaling_report",
+                                 "a continued-scaling study's tables, fits and figures, from its records"),
     "gap-closed": ("lit.experiments.gap_closed", "how much of MoBA's gap continued training closes, per window"),
     "bench": ("benchmarks", "run a benchmark: flexmoba bench {attention,decode,documents,mask_build,...} --help"),
 }

@@ -19,7 +19,8 @@ resumed from their last checkpoint when killed), ``<arm>/b<budget>/eval`` (conte
 ``study.jsonl``, one record per finished part with its wall time. Started again with the same arguments
 it goes on where it stopped, after a line with the estimated wall time of what remains (from the step
 and evaluation times measured so far); an ``--out`` holding a study with other settings is refused.
-``flexmoba continued-scaling-report`` turns the records into tables and figures.
+``flexmoba continued-scaling-report`` turns the records into tables and figures
+(:mod:`lit.experiments.continued_scaling_report`).
 """
 
 from __future__ import annotations
@@ -261,7 +262,7 @@ def claim(study: dict) -> Path:
 
 
 def run(study: dict) -> Path:
-    from lit.experiments.context_eval import append_record, read_records
+    from lit.experiments.context_eval import append_record, machine_name, read_records
 
     records_path = claim(study)
     records = read_records(records_path)
@@ -275,7 +276,7 @@ def run(study: dict) -> Path:
         started = time.monotonic()
         steps = trained_steps(part, records) if part["part"] != "eval" else 0
         run_part(study, part)
-        record = {**part, "seconds": round(time.monotonic() - started, 1), "steps": steps}
+        record = {**part, "seconds": round(time.monotonic() - started, 1), "steps": steps, "machine": machine_name()}
         if part["part"] == "trunk":
             record["steps_total"] = part["steps"]
         append_record(records_path, record)
