@@ -14,6 +14,8 @@ Target: on CPU at S = 8K, the MoBA training step at least 2x faster than through
 dense-mask path, i.e. ``vs moba sdpa`` >= 2 on the gather row.
 
     flexmoba bench train_step [--seq_lens 2048 8192] [--backends gather sdpa] [--repeats 3]
+    flexmoba bench train_step --config configs/pretrained/smollm2_scaling.yaml --backends auto --hybrids 3 \
+        --seq_lens 4096 8192 --rounds 2 --repeats 2     # the continued-scaling study's arms, alternating
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from benchmarks.common import (
 from flexmoba.model import GPT, ModelConfig
 
 COLUMNS = [
-    ("seq_len", "S"), ("batch", "B"), ("attention", "attention"), ("backend", "backend"),
+    ("round", "round"), ("seq_len", "S"), ("batch", "B"), ("attention", "attention"), ("backend", "backend"),
+    ("full_last", "full last layers"),
     ("step_ms", "step (ms)"), ("tokens_per_s", "tokens/s"), ("vs_moba_sdpa", "vs moba sdpa"),
     ("vs_full", "vs full"), ("peak_mb", "peak (MB)"), ("note", "note"),
 ]
@@ -72,10 +75,11 @@ def make_step(config: ModelConfig, seq_len: int, batch: int, device: torch.devic
     return step
 
 
-def variants(backends: list[str], with_full: bool) -> list[tuple[str, str]]:
-    """(attention, backend) rows per S; the references (full, moba sdpa) first."""
+def variants(backends: list[str], with_full: bool, hybrids: list[int]) -> list[tuple[str, str, int]]:
+    """(attention, backend, last layers full) rows per S; the references (full, moba sdpa) first, then each
+    backend in every layer and in each layer hybrid of ``hybrids``."""
     ordered = sorted(backends, key=lambda b: b != "sdpa")
-    return ([("full", "-")] if with_full else []) + [("moba", b) for b in ordered]
+    return ([("full", "-", 0)] if with_full else []) + [("moba", b, n) for b in ordered for n in [0, *hybrids]]
 
 
 def measure(config: ModelConfig, seq_len: int, args, device) -> dict:
@@ -98,11 +102,13 @@ def run_row(config: ModelConfig, seq_len: int, args, device) -> dict:
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """Throughput relative to MoBA through the dense-mask path and to full attention, per S."""
+    """Throughput relative to MoBA through the dense-mask path and to full attention, per S and round."""
     for row in rows:
-        same_s = [r for r in rows if r["seq_len"] == row["seq_len"] and "tokens_per_s" in r]
+        same_s = [r for r in rows if r["seq_len"] == row["seq_len"] and r["round"] == row["round"]
+                  and "tokens_per_s" in r]
         for key, attention, backend in (("vs_moba_sdpa", "moba", "sdpa"), ("vs_full", "full", "-")):
-            ref = next((r for r in same_s if r["attention"] == attention and r["backend"] == backend), None)
+            ref = next((r for r in same_s if r["attention"] == attention and r["backend"] == backend
+                        and r["full_last"] == 0), None)
             if ref and "tokens_per_s" in row:
                 row[key] = row["tokens_per_s"] / ref["tokens_per_s"]
 
@@ -114,6 +120,10 @@ def parse_args(argv=None):
     p.add_argument("--backends", nargs="+", default=["flex", "gather", "sdpa"] if cuda else ["gather", "sdpa"],
                    choices=("auto", "flex", "gather", "sdpa"), help="MoBA backends to time")
     p.add_argument("--no_full", action="store_true", help="skip the full-attention rows")
+    p.add_argument("--hybrids", type=int, nargs="*", default=[],
+                   help="also time MoBA with the last N layers full, for each N given")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="times every row is measured, the rows alternating (ratios within a round)")
     p.add_argument("--config", type=Path, default=None,
                    help="LightningCLI YAML whose model.config fields change the default model")
     p.add_argument("--batch_size", type=int, default=1, help="sequences per step")
@@ -131,21 +141,28 @@ def main(argv=None) -> None:
         settle_malloc()
     base = load_config(args.config)
     print(f"model: {base}", flush=True)
+    if args.rounds < 1 or any(n < 1 or n > base.n_layers for n in args.hybrids):
+        sys.stderr.write(f"flexmoba: error: --rounds must be >= 1 and --hybrids in [1, {base.n_layers}], got "
+                         f"{args.rounds} and {args.hybrids}\n")
+        raise SystemExit(2)
     rows = []
     for seq_len in args.seq_lens:
-        for attention, backend in variants(args.backends, not args.no_full):
-            moba = dataclasses.replace(base.moba, backend=backend) if attention == "moba" else base.moba
-            config = dataclasses.replace(base, attention=attention, moba=moba)
-            row = {"seq_len": seq_len, "batch": args.batch_size, "attention": attention, "backend": backend,
-                   "device": device.type, **run_row(config, seq_len, args, device)}
-            rows.append(row)
-            add_ratios(rows)
-            print_row(row, COLUMNS)
+        for round_ in range(1, args.rounds + 1):
+            for attention, backend, full_last in variants(args.backends, not args.no_full, args.hybrids):
+                moba = dataclasses.replace(base.moba, backend=backend) if attention == "moba" else base.moba
+                config = dataclasses.replace(base, attention=attention, moba=moba,
+                                             full_attention_last_n_layers=full_last)
+                row = {"round": round_, "seq_len": seq_len, "batch": args.batch_size, "attention": attention,
+                       "backend": backend, "full_last": full_last, "device": device.type,
+                       **run_row(config, seq_len, args, device)}
+                rows.append(row)
+                add_ratios(rows)
+                print_row(row, COLUMNS)
     add_ratios(rows)
     print()
     finish_report(f"train_step_{device.type}", rows, COLUMNS, args.out)
     for row in rows:
-        if row["attention"] == "moba" and row["backend"] != "sdpa" and "vs_moba_sdpa" in row:
+        if row["attention"] == "moba" and row["backend"] != "sdpa" and "vs_moba_sdpa" in row and not row["full_last"]:
             print(f"S={row['seq_len']}: MoBA {row['backend']} step is {row['vs_moba_sdpa']:.2f}x the throughput "
                   f"of the dense-mask path (target at S=8192 on CPU: >= 2x)")
 

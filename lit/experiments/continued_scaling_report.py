@@ -110,7 +110,7 @@ def window_spans(settings: dict) -> list[tuple[str, int, int]]:
     width, length = settings["eval_window"], settings["eval_seq_len"]
 
     def tokens(n: int) -> str:
-        return f"{n / 1024:g}K" if n % 512 == 0 else str(n)
+        return f"{n / 1024:g}K" if n and n % 512 == 0 else str(n)
 
     spans = []
     for name, start, end in WINDOWS:
@@ -360,7 +360,8 @@ def plot_loss(settings: dict, summary: dict, path: Path) -> None:
                 axis.plot(grid, law["a"] * grid ** law["b"], "--", color=color, linewidth=1)
         axis.set(xscale="log", yscale="log", title=labels[w], xlabel="continued-training compute (PFLOP/s-days)",
                  ylabel="LM loss (nats/token)")
-    axes[0].legend(fontsize=8, title="dotted: training-free; dashed: fit", title_fontsize=7)
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=8, title="dotted: training-free; dashed: fit", title_fontsize=7)
     for axis in axes[len(labels):]:
         axis.set_visible(False)
     fig.tight_layout()
@@ -392,7 +393,8 @@ def plot_gap(settings: dict, summary: dict, path: Path) -> None:
         axis.axhline(0, color="black", linewidth=0.5)
         axis.set(xscale="log", title=labels[w], xlabel="continued-training compute (PFLOP/s-days)",
                  ylabel="minus full attention (nats/token)")
-    axes[0].legend(fontsize=8, title="dashed: gap fit g C^-γ", title_fontsize=7)
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=8, title="dashed: gap fit g C^-γ", title_fontsize=7)
     for axis in axes[len(labels):]:
         axis.set_visible(False)
     fig.tight_layout()
