@@ -98,6 +98,10 @@ def parse(command: str, monkeypatch, capsys) -> None:
         assert base_config(spec) and spec.runs()
     elif name == "bench":
         parse_benchmark(args, monkeypatch)
+    elif name == "continued-scaling":
+        from lit.experiments import continued_scaling
+
+        assert continued_scaling.parse(args)["budgets"]
     elif name in SUBCOMMANDS:
         parse_job(name, args)
     else:
@@ -109,13 +113,15 @@ def parse_job(name: str, args: list[str]) -> None:
     from lit.cli.generate import GenerateJob
     from lit.cli.import_hf import ImportJob
     from lit.experiments.context_eval import ContextEvalJob
+    from lit.experiments.continued_scaling_report import ReportJob as ContinuedReportJob
     from lit.experiments.gap_closed import GapClosedJob
     from lit.experiments.retrieval import EvaluateJob
     from lit.experiments.scaling_report import ReportJob
     from lit.training.options import parse_dataclass
 
     jobs = {"generate": GenerateJob, "export-hf": ExportJob, "scaling-report": ReportJob, "retrieval": EvaluateJob,
-            "import-hf": ImportJob, "context-eval": ContextEvalJob, "gap-closed": GapClosedJob}
+            "import-hf": ImportJob, "context-eval": ContextEvalJob, "gap-closed": GapClosedJob,
+            "continued-scaling-report": ContinuedReportJob}
     if name == "retrieval":
         assert args[0] == "evaluate", args
         args = args[1:]
