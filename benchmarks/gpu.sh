@@ -13,6 +13,9 @@
 #                8K rows may be skipped), 512/3 and 128/8, bf16, fwd and fwd+bwd
 #   mfu          MFU of a 100-step `flexmoba fit` of configs/moba.yaml       150 s   80 s
 #                                                         expected total ~430-470 s
+#   scaling      only when named (--parts scaling, TOTAL_S=600): the        600 s  resumes
+#                continued-scaling study of SmolLM2 at 8K, budgets 125-1000 steps, scored on the GPU;
+#                started again it goes on where it stopped (needs make pretrained)
 #
 # Each part is its own process under its own `timeout` and ends with one verdict line
 # (PASS/FAIL/SKIP, or TIMEOUT from here), so a failing part never hides another. A part gets
@@ -29,19 +32,20 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 
-ALL_PARTS=(device oracle determinism flash timing mfu)
-declare -A CAP=([device]=30 [oracle]=150 [determinism]=60 [flash]=90 [timing]=240 [mfu]=150)
-declare -A MINIMUM=([device]=5 [oracle]=60 [determinism]=20 [flash]=20 [timing]=60 [mfu]=60)
+ALL_PARTS=(device oracle determinism flash timing mfu scaling)
+DEFAULT_PARTS=(device oracle determinism flash timing mfu)  # scaling runs only when named
+declare -A CAP=([device]=30 [oracle]=150 [determinism]=60 [flash]=90 [timing]=240 [mfu]=150 [scaling]=600)
+declare -A MINIMUM=([device]=5 [oracle]=60 [determinism]=20 [flash]=20 [timing]=60 [mfu]=60 [scaling]=60)
 
 DEVICE="${DEVICE:-cuda}"
-PARTS="$(IFS=,; echo "${ALL_PARTS[*]}")"
+PARTS="$(IFS=,; echo "${DEFAULT_PARTS[*]}")"
 while (( $# )); do
   case "$1" in
     --device) DEVICE="$2"; shift 2 ;;
     --device=*) DEVICE="${1#*=}"; shift ;;
     --parts) PARTS="$2"; shift 2 ;;
     --parts=*) PARTS="${1#*=}"; shift ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
     *) echo "gpu.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -87,6 +91,7 @@ if [[ "$DEVICE" == cuda ]]; then
   FLASH_ARGS=("${HEADS[@]}" --seq_len 8192 --config 512:3)
   TIMING_ARGS=("${HEADS[@]}" --seq_lens 131072 32768 8192 --configs 512:3 128:8 --dtype bfloat16 --repeats 5)
   FIT_ARGS=(--configs configs/moba.yaml --steps 100)
+  SCALING_ARGS=(--out "$RAW/scaling")
 else
   HEADS=(--heads 2 --kv_heads 1 --head_dim 16)
   ORACLE_ARGS=("${HEADS[@]}" --seq_len 256 --configs 64:2 --dtypes float32 --docs_seq_len 256)
@@ -94,6 +99,7 @@ else
   FLASH_ARGS=("${HEADS[@]}" --seq_len 256 --config 64:2)
   TIMING_ARGS=("${HEADS[@]}" --seq_lens 256 --configs 64:2 --dtype float32 --repeats 2)
   FIT_ARGS=(--configs configs/moba.yaml configs/tiny.yaml --steps 2)
+  SCALING_ARGS=(--out "$RAW/scaling" --seq_len 256 --budgets 3 6 --eval_seq_len 512 --eval_documents 2)
 fi
 
 # cmd_<part> TIMEOUT: the part's command, into CMD.
@@ -107,6 +113,7 @@ cmd_timing() {  # rows that would start in the last 45 s are skipped, so the par
        --methods sdpa_causal moba_flex moba_flex_union moba_gather --time_budget "$budget" --out "$RAW")
 }
 cmd_mfu() { CMD=("$PY" -m benchmarks.gpu_mfu --device "$DEVICE" "${FIT_ARGS[@]}" --out "$RAW"); }
+cmd_scaling() { CMD=("$PY" -m benchmarks.gpu_scaling --device "$DEVICE" "${SCALING_ARGS[@]}"); }
 
 selected() { [[ ",$PARTS," == *",$1,"* ]]; }
 

@@ -40,7 +40,8 @@ from lit.training.launch import read_config, run_cli, saved_step
 
 PROG = "flexmoba continued-scaling"
 STUDY_KEYS = ("out", "arms", "budgets", "decay_fraction", "eval_seq_len", "eval_documents", "eval_window",
-              "eval_trailing", "retrieval_lengths", "retrieval_depths", "retrieval_trials")
+              "eval_trailing", "retrieval_lengths", "retrieval_depths", "retrieval_trials", "eval_device")
+NOT_SETTINGS = ("eval_device",)  # where the study runs, not what it measures: a resume may change it
 # context-eval scores; the fits validate nothing
 DEFAULTS = {"trainer.limit_val_batches": 0, "trainer.num_sanity_val_steps": 0, "trainer.enable_model_summary": False}
 
@@ -60,6 +61,7 @@ def study_arguments(parser) -> None:
                         help="passkey lengths, scored at budget 0 and the largest budget")
     parser.add_argument("--retrieval_depths", type=list[float], default=[0.1, 0.5, 0.9], help="passkey depths")
     parser.add_argument("--retrieval_trials", type=int, default=2, help="keys per (length, depth) cell")
+    parser.add_argument("--eval_device", type=str, default="cpu", help="where the evaluations run (cpu, cuda)")
 
 
 def complete(config) -> None:
@@ -132,7 +134,10 @@ def train(study: dict, arm: Arm, folder: Path, steps: int, decay_steps: int) -> 
     config = fit_config(study, arm, folder, steps, decay_steps)
     if any((folder / "checkpoints").glob("*.ckpt")):
         config["ckpt_path"] = "last"
-    run_cli({"fit": config})
+    cli = run_cli({"fit": config})
+    if saved_step(folder / "checkpoints")[1] != steps:
+        # a resumed fit saves no last checkpoint at a final step its checkpoint interval does not divide
+        cli.trainer.save_checkpoint(folder / "checkpoints" / "last.ckpt")
 
 
 def start_branch(trunk: Path, branch: Path, step: int) -> None:
@@ -161,7 +166,8 @@ def eval_job(study: dict, arm: Arm, ckpt: str, out: Path, retrieval: bool) -> Co
         patterns=list(data.get("patterns") or DEFAULT_PATTERNS), split="test", val_fraction=data["val_fraction"],
         test_fraction=data["test_fraction"], tokenizer=data.get("tokenizer"),
         retrieval_lengths=list(study["retrieval_lengths"]) if retrieval else [],
-        retrieval_depths=list(study["retrieval_depths"]), retrieval_trials=study["retrieval_trials"])
+        retrieval_depths=list(study["retrieval_depths"]), retrieval_trials=study["retrieval_trials"],
+        device=study.get("eval_device", "cpu"))
 
 
 def evaluate(study: dict, arm: Arm, ckpt: str, out: Path, retrieval: bool) -> None:
@@ -245,8 +251,9 @@ def claim(study: dict) -> Path:
     """``<out>/study.jsonl``, after recording the settings in ``<out>/study.json`` or checking them."""
     out = Path(study["out"])
     settings = out / "study.json"
+    recorded = json.loads(json.dumps({k: v for k, v in study.items() if k not in NOT_SETTINGS}))
     if settings.is_file():
-        if json.loads(settings.read_text()) != json.loads(json.dumps(study)):
+        if json.loads(settings.read_text()) != recorded:
             raise UsageError("--out", f"{out} holds a continued-scaling study with other settings",
                              "give another --out, or the same arguments to resume it")
     else:
@@ -254,7 +261,7 @@ def claim(study: dict) -> Path:
             raise UsageError("--out", f"{out} exists and is not a continued-scaling study's folder",
                              "give another --out")
         out.mkdir(parents=True, exist_ok=True)
-        settings.write_text(json.dumps(study, indent=1))
+        settings.write_text(json.dumps(recorded, indent=1))
     from lit.experiments.context_eval import drop_cut_line
 
     drop_cut_line(out / "study.jsonl")

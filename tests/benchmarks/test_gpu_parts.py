@@ -233,3 +233,20 @@ def test_the_fit_is_this_checkouts_flexmoba_with_trainer_flags_only(tmp_path):
         assert options["--trainer.max_steps"] == "7" and options["--trainer.default_root_dir"] == str(tmp_path)
         assert options["--trainer.accelerator"] == ("gpu" if device == "cuda" else "cpu")
         assert ("--trainer.precision" in options) == (device == "cuda")
+
+
+def test_the_scaling_part_runs_the_study_s_own_config_at_the_gpu_s_length(tmp_path, monkeypatch):
+    from benchmarks import gpu_scaling
+    from lit.experiments import continued_scaling
+
+    monkeypatch.setattr("lit.training.checks.available", lambda kind: True)  # parsed as on the GPU's machine
+    args = gpu_scaling.parse_args(["--out", str(tmp_path / "s")])
+    command = gpu_scaling.study_command(args)
+    assert command[0] == "continued-scaling"
+    study = continued_scaling.parse(command[1:])
+    assert study["data"]["init_args"]["seq_len"] == 8192 and study["budgets"] == [125, 250, 500, 1000]
+    assert study["trainer"]["precision"] == "bf16-mixed" and study["eval_device"] == "cuda"
+    assert study["arms"] == ["full", "moba:512:3", "moba:512:3:3"] and study["retrieval_lengths"] == [4096, 8192]
+    dry = continued_scaling.parse(gpu_scaling.study_command(gpu_scaling.parse_args(
+        ["--device", "cpu", "--out", str(tmp_path / "d"), "--seq_len", "256", "--eval_seq_len", "512"]))[1:])
+    assert dry["eval_window"] * 16 == 512 and dry["retrieval_lengths"] == []
