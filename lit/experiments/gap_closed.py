@@ -134,7 +134,14 @@ def main(argv: list[str] | None = None) -> dict:
     (out / "gap_closed.json").write_text(json.dumps(result, indent=1))
     (out / "gap_closed.md").write_text(markdown(result, "flexmoba gap-closed " + " ".join(sys.argv[1:])))
     plot(result, out / "gap_closed.png")
-    trailing = result["rows"][-1]
-    print(f"gap-closed: trailing window {trailing['closed']:.0%} of the gap closed "
-          f"[{trailing['low']:.0%}, {trailing['high']:.0%}]; see {out}")
+    print(f"gap-closed: {closing_words(result['rows'][-1])}; see {out}")
     return result
+
+
+def closing_words(trailing: dict) -> str:
+    """What the closing line says of the trailing window: the share closed, or that it had no gap to close."""
+    if trailing["closed"] is None:
+        return (f"trailing window: no gap before ({trailing['gap_before']:+.3f} nats/token, under {NO_GAP}: "
+                "MoBA equals full attention there), nothing to close")
+    return (f"trailing window {trailing['closed']:.0%} of the gap closed "
+            f"[{trailing['low']:.0%}, {trailing['high']:.0%}]")

@@ -55,3 +55,19 @@ def test_the_share_closed_is_one_minus_the_gap_after_over_the_gap_before(folders
 def test_a_folder_without_the_arm_is_refused_by_name(folders):
     with pytest.raises(UsageError, match="--before: .* holds no position records of arm 'moba:256:3'"):
         gap_closed.main([*(f"--{k}={v}" for k, v in folders.items()), "--arm", "moba:256:3"])
+
+
+def test_a_trailing_window_without_a_gap_ends_in_a_line_saying_so(folders, capsys):
+    """MoBA exact in the trailing window too (e.g. 512/3 at 1,024 tokens): the closing line says there was
+    no gap there, after writing the files."""
+    path = folders["before"] / "records.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    full = {r["document"]: r["trailing"] for r in records if r["arm"] == "full"}
+    for r in records:
+        r["trailing"] = full[r["document"]]  # the pretrained model's MoBA equals full attention there
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    result = gap_closed.main([f"--{k}={v}" for k, v in folders.items()])
+    assert result["rows"][-1]["closed"] is None
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "trailing window: no gap before" in line and str(folders["out"]) in line
+    assert (folders["out"] / "gap_closed.md").is_file() and (folders["out"] / "gap_closed.png").is_file()
