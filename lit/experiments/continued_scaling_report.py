@@ -110,7 +110,7 @@ def window_spans(settings: dict) -> list[tuple[str, int, int]]:
     width, length = settings["eval_window"], settings["eval_seq_len"]
 
     def tokens(n: int) -> str:
-        return f"{n / 1024:g}K" if n and n % 512 == 0 else str(n)
+        return f"{n / 1024:g}K" if n >= 1024 and n % 512 == 0 else str(n)
 
     spans = []
     for name, start, end in WINDOWS:
@@ -270,7 +270,7 @@ def markdown(settings: dict, summary: dict, machines: list[str]) -> str:
     parts, labels = summary["parts"], summary["windows"]
     data = settings["data"]["init_args"]
     done = {(r["arm"], r["budget"]) for r in summary["table"]}
-    machine_text = "; ".join(m.rstrip(".") for m in machines) or "not recorded"
+    machine_text = "; ".join(machines) or "not recorded"
     status = ("complete" if parts["done"] == parts["planned"] else
               f"**PARTIAL: {parts['done']} of {parts['planned']} models scored; the study is still running, and every "
               "number below is from the parts finished so far**")
@@ -404,7 +404,7 @@ def plot_gap(settings: dict, summary: dict, path: Path) -> None:
 def machines_of(records_dir: Path, parts: list[dict]) -> list[str]:
     """The machines the parts ran on: as the parts recorded them, else as their evaluations said."""
     said = {p.read_text().strip() for p in records_dir.glob("*/b*/eval/machine.txt")}
-    return sorted(said | {p["machine"] for p in parts if p.get("machine")})
+    return sorted({m.rstrip(".") for m in said | {p["machine"] for p in parts if p.get("machine")}})
 
 
 def report(job: ReportJob) -> dict:
