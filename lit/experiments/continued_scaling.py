@@ -180,7 +180,8 @@ def evaluate(study: dict, arm: Arm, ckpt: str, out: Path, retrieval: bool) -> No
 
 
 def plan(study: dict) -> list[dict]:
-    """Every part of the study in the order it runs: ``{"part", "arm", "budget", "steps", ...}``."""
+    """Every part of the study in the order it runs: ``{"part", "arm", "budget", ...}``; a trunk part trains
+    its arm's trunk up to ``steps``, a branch part decays over its last ``steps``."""
     arms = [Arm.parse(a) for a in study["arms"]]
     largest = study["budgets"][-1]
     parts = [{"part": "eval", "arm": arm.name, "budget": 0, "retrieval": True} for arm in arms]
@@ -234,7 +235,7 @@ def remaining_estimate(parts: list[dict], records: list[dict]) -> str:
     steps = sum(trained_steps(p, records) for p in parts if p["part"] != "eval")
     evals = sum(1 for p in parts if p["part"] == "eval")
     trained = [r for r in records if r["part"] != "eval" and r["steps"]]
-    scored = [r for r in records if r["part"] == "eval" and r["budget"] > 0]
+    scored = [r for r in records if r["part"] == "eval"]
     step_s = sum(r["seconds"] for r in trained) / sum(r["steps"] for r in trained) if trained else None
     eval_s = sum(r["seconds"] for r in scored) / len(scored) if scored else None
     if step_s is None or eval_s is None:
