@@ -24,6 +24,7 @@ arguments goes on where it stopped; ``results.json``, ``results.md``, ``windows.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -36,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from flexmoba.checkpoint import checkpoint_config, checkpoint_tokenizer, load_model
-from flexmoba.model import GPT
+from flexmoba.model import GPT, ModelConfig
 from lit.experiments.scaling_law import t_975
 from lit.training import checks
 from lit.training.data import DEFAULT_PATTERNS, default_root, list_files, select_files
@@ -75,6 +76,22 @@ class Arm:
             return "full attention"
         hybrid = f", last {self.full_last} layers full" if self.full_last else ""
         return f"MoBA {self.chunk_size}/{self.top_k}{hybrid}"
+
+    def config(self, base: ModelConfig) -> ModelConfig:
+        """The checkpoint's model config ``base`` attending as this arm; :class:`UsageError` (``--arms``) when
+        that model cannot (more full layers than it has, a chunk its MoBA settings refuse)."""
+        if self.full_last > base.n_layers:
+            raise UsageError("--arms", f"{self.name} makes the last {self.full_last} layers full, the checkpoint's "
+                             f"model has {base.n_layers} layers",
+                             f"give N at most {base.n_layers} (moba:{self.chunk_size}:{self.top_k}:{base.n_layers}), "
+                             "or leave the arm out")
+        overrides = self.overrides()
+        try:
+            if "moba" in overrides:
+                overrides["moba"] = dataclasses.replace(base.moba, **overrides["moba"])
+            return dataclasses.replace(base, **overrides)
+        except (TypeError, ValueError) as error:
+            raise UsageError("--arms", f"{self.name}: {error}", "give an arm this model can run") from None
 
     def overrides(self) -> dict:
         """The :func:`flexmoba.checkpoint.load_model` overrides that make a model attend as this arm."""
@@ -147,8 +164,31 @@ def load_tokenizer_text(job: ContextEvalJob, checkpoint: dict) -> str:
         return Path(job.tokenizer).read_text()
     text = checkpoint_tokenizer(checkpoint)
     if text is None:
-        raise UsageError("--tokenizer", f"{job.ckpt} carries no tokenizer", "give --tokenizer tokenizer.json")
+        vocab_size = checkpoint_config(checkpoint).vocab_size
+        raise UsageError("--tokenizer", f"{job.ckpt} carries no tokenizer",
+                         f"give --tokenizer, the tokenizer.json of its model's {vocab_size} tokens")
     return text
+
+
+def load_tokenizer(job: ContextEvalJob, checkpoint: dict):
+    """The tokenizer of the job (``--tokenizer``, else the checkpoint's own), refused when its ids are not the
+    model's: a tokenizer larger than the model's ``vocab_size`` gives ids past its embedding, a smaller one
+    given by ``--tokenizer`` is another model's (the checkpoint's own may be smaller: a padded embedding)."""
+    from tokenizers import Tokenizer
+
+    text = load_tokenizer_text(job, checkpoint)
+    source = job.tokenizer or f"{job.ckpt}'s tokenizer"
+    try:
+        tokenizer = Tokenizer.from_str(text)
+    except Exception as error:  # tokenizers raises a bare Exception on a file it cannot read
+        raise UsageError("--tokenizer", f"{source} is not a tokenizer.json ({str(error).splitlines()[0]})",
+                         "give the tokenizer.json the model was trained with") from None
+    size, vocab_size = tokenizer.get_vocab_size(), checkpoint_config(checkpoint).vocab_size
+    if size > vocab_size or (job.tokenizer is not None and size != vocab_size):
+        raise UsageError("--tokenizer", f"{source} holds {size} tokens, the checkpoint's model {vocab_size} "
+                         "(its vocab_size)", "give the tokenizer the model was trained with (flexmoba import-hf "
+                         "writes it beside model.ckpt), or another --ckpt")
+    return tokenizer
 
 
 def held_out_documents(job: ContextEvalJob, tokenizer) -> list[tuple[str, list[int]]]:
@@ -461,11 +501,11 @@ def check_job(job: ContextEvalJob, checkpoint: dict) -> list[Arm]:
 def run(job: ContextEvalJob) -> dict:
     checkpoint = checks.checkpoint_file("--ckpt", job.ckpt)
     arms = check_job(job, checkpoint)
-    from tokenizers import Tokenizer
-
+    tokenizer = load_tokenizer(job, checkpoint)  # before the arms' fit: a byte-level model's real problem
+    for arm in arms:  # before any model is built
+        arm.config(checkpoint_config(checkpoint))
     if job.threads:
         torch.set_num_threads(job.threads)
-    tokenizer = Tokenizer.from_str(load_tokenizer_text(job, checkpoint))
     out = Path(job.out)
     records_path = claim(out, job.settings(), job.overwrite)
     documents = held_out_documents(job, tokenizer)

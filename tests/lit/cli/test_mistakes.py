@@ -29,7 +29,8 @@ def tiny(root: str, *extra: str) -> list[str]:
 
 # (command line, what the one line must say). Paths: {run} holds a trained tiny run, {empty} is a folder
 # with nothing in it yet, {file} is a plain file, {junk} a file named .ckpt that is not one, {held} a
-# folder that holds output, {corpus} another corpus, {missing} a path that does not exist.
+# folder that holds output, {corpus} another corpus, {missing} a path that does not exist, {words} a
+# tokenizer.json of 320 tokens, {bytes} one of 256 (the tiny run's vocabulary).
 MISTAKES = [
     # fit / validate / test / predict
     (["fit", *tiny("{empty}/a", "--trainer.max_step", "3")], "did you mean --trainer.max_steps?"),
@@ -84,6 +85,10 @@ MISTAKES = [
      "--arms: 'moba:8' is not an arm; give full, moba:CHUNK:TOPK"),
     (["context-eval", "--ckpt", "{run}/checkpoints/last.ckpt", "--out", "{empty}/e"],
      "--tokenizer: {run}/checkpoints/last.ckpt carries no tokenizer"),
+    (["context-eval", "--ckpt", "{run}/checkpoints/last.ckpt", "--out", "{empty}/e-words", "--tokenizer", "{words}"],
+     "--tokenizer: {words} holds 320 tokens, the checkpoint's model 256 (its vocab_size); give the tokenizer"),
+    (["context-eval", "--ckpt", "{run}/checkpoints/last.ckpt", "--out", "{empty}/e-bytes", "--tokenizer", "{bytes}"],
+     "--arms: moba:512:3:10 makes the last 10 layers full, the checkpoint's model has 2 layers"),
     (["gap-closed", "--before", "{empty}", "--moba", "{empty}", "--control", "{empty}", "--out", "{empty}/g"],
      "--before: {empty} holds no context-eval records"),
     # retrieval
@@ -137,9 +142,21 @@ def places(tmp_path_factory) -> dict[str, str]:
     corpus.mkdir()
     for i in range(16):
         (corpus / f"module{i}.py").write_text(f"# another corpus, file {i}\n" + "x = 1\n" * 60)
-    return {"run": str(root / "run"), "empty": str(root / "empty"), "file": str(root / "file"),
+    for name, size in (("words", 320), ("bytes", 256)):
+        word_tokenizer(size).save(str(root / f"{name}.json"))
+    return {"words": str(root / "words.json"), "bytes": str(root / "bytes.json"),
+            "run": str(root / "run"), "empty": str(root / "empty"), "file": str(root / "file"),
             "junk": str(root / "junk.ckpt"), "held": str(root / "held"), "corpus": str(corpus),
             "missing": str(root / "no-such-thing"), "cwd": str(root)}
+
+
+def word_tokenizer(size: int):
+    """A word-level tokenizer of ``size`` tokens (``w0`` ... ``w{size-1}``)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(size)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tokenizer
 
 
 def filled(argv: list[str], places: dict[str, str]) -> list[str]:

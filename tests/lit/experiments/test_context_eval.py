@@ -155,3 +155,22 @@ def test_a_device_it_cannot_use_is_refused_by_name(setup, tmp_path, device, prob
         pytest.skip("this machine has a CUDA device")
     with pytest.raises(UsageError, match=f"--device: .*{problem}"):
         context_eval.main([*job_args(setup, tmp_path / "out"), "--device", device])
+
+
+def test_an_arm_the_model_cannot_run_is_refused_before_anything_is_written(setup, tmp_path):
+    args = job_args(setup, tmp_path / "refused")
+    args[args.index("--arms") + 1] = '["full", "moba:16:2:3"]'  # the tiny Llama has 2 layers
+    with pytest.raises(UsageError, match="--arms: moba:16:2:3 makes the last 3 layers full, the checkpoint's model "
+                                         "has 2 layers"):
+        context_eval.main(args)
+    assert not (tmp_path / "refused").exists()
+
+
+def test_a_tokenizer_of_another_vocabulary_is_refused_naming_both_sizes(setup, tmp_path):
+    from tiny_llama import word_tokenizer
+
+    word_tokenizer(VOCAB - 20).save(str(tmp_path / "other.json"))
+    with pytest.raises(UsageError, match=f"--tokenizer: .*other.json holds {VOCAB - 20} tokens, the checkpoint's "
+                                         f"model {VOCAB} \\(its vocab_size\\)"):
+        context_eval.main([*job_args(setup, tmp_path / "refused"), "--tokenizer", str(tmp_path / "other.json")])
+    assert not (tmp_path / "refused").exists()
