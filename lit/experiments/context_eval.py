@@ -290,14 +290,23 @@ def record_key(record: dict) -> tuple:
             record.get("trial"))
 
 
-def claim(out: Path, settings: dict, overwrite: bool) -> Path:
-    """``out``'s records file, after checking that records there come from the same job."""
+def another_jobs(out: Path, settings: dict, overwrite: bool) -> bool:
+    """Whether ``out`` holds the records of another job (to be replaced: ``overwrite``); UsageError when
+    ``out`` is a file, or holds another job's records and ``overwrite`` is off. Writes nothing."""
     checks.output_folder("--out", out, overwrite=True)
     job_file = out / "job.json"
     if job_file.is_file() and json.loads(job_file.read_text()) != settings:
         if not overwrite:
             raise UsageError("--out", f"{out} holds the records of another context-eval",
                              "give another --out, or --overwrite true to start over")
+        return True
+    return False
+
+
+def claim(out: Path, settings: dict, overwrite: bool) -> Path:
+    """``out``'s records file, after checking that records there come from the same job."""
+    job_file = out / "job.json"
+    if another_jobs(out, settings, overwrite):
         (out / "records.jsonl").unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     job_file.write_text(json.dumps(settings, indent=1))
@@ -492,13 +501,54 @@ def check_job(job: ContextEvalJob, checkpoint: dict) -> list[Arm]:
         if context is not None and value > context:
             raise UsageError(option, f"{value} tokens exceed the model's context of {context}",
                              f"give at most {context}")
-    if job.seq_len % job.window or job.trailing > job.seq_len:
-        raise UsageError("--window", f"seq_len {job.seq_len} must be a multiple of window {job.window}, "
-                         f"and trailing {job.trailing} at most seq_len")
     return arms
 
 
+SPLITS = ("train", "val", "test")
+
+
+def check_values(job: ContextEvalJob) -> None:
+    """Each option's value on its own (and with the one it must agree with), before anything is read."""
+    counts = (("--seq_len", job.seq_len, "the tokens scored per document, e.g. 8192"),
+              ("--documents", job.documents, "the documents scored per arm, e.g. 20"),
+              ("--window", job.window, "the width of the position windows, e.g. 1024"),
+              ("--trailing", job.trailing, "the last positions reported on their own, e.g. 256"),
+              ("--retrieval_trials", job.retrieval_trials, "keys per (length, depth) cell, e.g. 2; "
+               "--retrieval_lengths [] for no retrieval"),
+              ("--threads", job.threads, "the torch threads, or leave it out for torch's default"))
+    for option, value, what in counts:
+        if value is not None and value <= 0:
+            raise UsageError(option, f"must be a positive int, got {value}", f"give {what}")
+    if job.seq_len % job.window:
+        raise UsageError("--window", f"seq_len {job.seq_len} must be a multiple of window {job.window}",
+                         "give a window that divides --seq_len")
+    if job.trailing > job.seq_len:
+        raise UsageError("--trailing", f"{job.trailing} positions exceed --seq_len {job.seq_len}",
+                         f"give at most {job.seq_len}")
+    for length in job.retrieval_lengths:
+        if length <= 0:
+            raise UsageError("--retrieval_lengths", f"must be positive ints, got {length}",
+                             "give prompt lengths in tokens, e.g. [4096, 8192], or [] for no retrieval")
+    for depth in job.retrieval_depths:
+        if not 0 <= depth <= 1:
+            raise UsageError("--retrieval_depths", f"{depth} is not a share of the filler",
+                             "give depths in [0, 1], e.g. [0.1, 0.5, 0.9]")
+    if job.retrieval_lengths and not job.retrieval_depths:
+        raise UsageError("--retrieval_depths", "empty, while --retrieval_lengths asks for retrieval",
+                         "give depths in [0, 1], e.g. [0.5], or --retrieval_lengths [] for no retrieval")
+    if job.split not in SPLITS:
+        raise UsageError("--split", f"{job.split!r} is not a split", "give train, val or test")
+    for option, value in (("--val_fraction", job.val_fraction), ("--test_fraction", job.test_fraction)):
+        if not 0 <= value < 1:
+            raise UsageError(option, f"must be in [0, 1), got {value}", "give the training data's (the "
+                             "split is by path hash)")
+    if job.val_fraction + job.test_fraction >= 1:
+        raise UsageError("--test_fraction", f"val_fraction {job.val_fraction} + test_fraction {job.test_fraction} "
+                         "must be below 1", "give the training data's fractions")
+
+
 def run(job: ContextEvalJob) -> dict:
+    check_values(job)
     checkpoint = checks.checkpoint_file("--ckpt", job.ckpt)
     arms = check_job(job, checkpoint)
     tokenizer = load_tokenizer(job, checkpoint)  # before the arms' fit: a byte-level model's real problem
@@ -507,11 +557,13 @@ def run(job: ContextEvalJob) -> dict:
     if job.threads:
         torch.set_num_threads(job.threads)
     out = Path(job.out)
-    records_path = claim(out, job.settings(), job.overwrite)
+    another_jobs(out, job.settings(), job.overwrite)
     documents = held_out_documents(job, tokenizer)
+    measurements = work_items(job, arms, documents, tokenizer)  # a prompt too short for the needle: refused here
+    records_path = claim(out, job.settings(), job.overwrite)  # the first write: every check is behind
     models = {arm.name: load_model(checkpoint, job.device, **arm.overrides()) for arm in arms}
     done = {record_key(r) for r in read_records(records_path)}
-    items = [(key, score) for key, score in work_items(job, arms, documents, tokenizer) if record_key(key) not in done]
+    items = [(key, score) for key, score in measurements if record_key(key) not in done]
     print(f"context-eval: {len(documents)} documents of the {job.split} split, {len(arms)} arms, "
           f"{len(items)} measurements to go ({len(done)} done before) into {out}", flush=True)
     started = time.monotonic()

@@ -27,6 +27,11 @@ def tiny(root: str, *extra: str) -> list[str]:
     return [*TINY, "--trainer.default_root_dir", root, *extra]
 
 
+# context-eval of the tiny run with settings that fit it (each row changes one)
+EVAL = ["--ckpt", "{run}/checkpoints/last.ckpt", "--out", "{empty}/eval", "--tokenizer", "{bytes}", "--arms",
+        "[full]", "--seq_len", "128", "--window", "32", "--trailing", "16", "--retrieval_lengths", "[128]"]
+
+
 # (command line, what the one line must say). Paths: {run} holds a trained tiny run, {empty} is a folder
 # with nothing in it yet, {file} is a plain file, {junk} a file named .ckpt that is not one, {held} a
 # folder that holds output, {corpus} another corpus, {missing} a path that does not exist, {words} a
@@ -89,6 +94,28 @@ MISTAKES = [
      "--tokenizer: {words} holds 320 tokens, the checkpoint's model 256 (its vocab_size); give the tokenizer"),
     (["context-eval", "--ckpt", "{run}/checkpoints/last.ckpt", "--out", "{empty}/e-bytes", "--tokenizer", "{bytes}"],
      "--arms: moba:512:3:10 makes the last 10 layers full, the checkpoint's model has 2 layers"),
+    *((["context-eval", *EVAL, option, value], expected) for option, value, expected in [
+        ("--window", "0", "--window: must be a positive int, got 0"),
+        ("--window", "48", "--window: seq_len 128 must be a multiple of window 48"),
+        ("--documents", "0", "--documents: must be a positive int, got 0"),
+        ("--documents", "-2", "--documents: must be a positive int, got -2"),
+        ("--trailing", "0", "--trailing: must be a positive int, got 0"),
+        ("--trailing", "256", "--trailing: 256 positions exceed --seq_len 128"),
+        ("--seq_len", "0", "--seq_len: must be a positive int, got 0"),
+        ("--seq_len", "-128", "--seq_len: must be a positive int, got -128"),
+        ("--retrieval_trials", "0", "--retrieval_trials: must be a positive int, got 0"),
+        ("--retrieval_depths", "[0.5, 1.5]", "--retrieval_depths: 1.5 is not a share of the filler"),
+        ("--retrieval_depths", "[-0.1]", "--retrieval_depths: -0.1 is not a share of the filler"),
+        ("--retrieval_depths", "[]", "--retrieval_depths: empty"),
+        ("--retrieval_lengths", "[0]", "--retrieval_lengths: must be positive ints, got 0"),
+        ("--retrieval_lengths", "[128, -1]", "--retrieval_lengths: must be positive ints, got -1"),
+        ("--split", "validation", "--split: 'validation' is not a split; give train, val or test"),
+        ("--val_fraction", "1", "--val_fraction: must be in [0, 1), got 1.0"),
+        ("--val_fraction", "-0.1", "--val_fraction: must be in [0, 1), got -0.1"),
+        ("--test_fraction", "1.5", "--test_fraction: must be in [0, 1), got 1.5"),
+        ("--test_fraction", "0.96", "--test_fraction: val_fraction 0.05 + test_fraction 0.96 must be below 1"),
+        ("--threads", "0", "--threads: must be a positive int, got 0"),
+    ]),
     (["gap-closed", "--before", "{empty}", "--moba", "{empty}", "--control", "{empty}", "--out", "{empty}/g"],
      "--before: {empty} holds no context-eval records"),
     # retrieval

@@ -174,3 +174,11 @@ def test_a_tokenizer_of_another_vocabulary_is_refused_naming_both_sizes(setup, t
                                          f"model {VOCAB} \\(its vocab_size\\)"):
         context_eval.main([*job_args(setup, tmp_path / "refused"), "--tokenizer", str(tmp_path / "other.json")])
     assert not (tmp_path / "refused").exists()
+
+
+def test_a_split_with_too_few_documents_is_refused_before_anything_is_written(setup, tmp_path):
+    args = job_args(setup, tmp_path / "refused")
+    args[args.index("--documents") + 1] = "50"  # the corpus's test half holds about 12
+    with pytest.raises(UsageError, match="--documents: the test split of .* fewer than 50"):
+        context_eval.main(args)
+    assert not (tmp_path / "refused").exists()  # so the same folder takes the corrected job
