@@ -375,12 +375,13 @@ def window_label(index: int, window: int) -> str:
     return f"{index * window}–{(index + 1) * window}"
 
 
-def markdown(summary: dict, arms: list[Arm], job_line: str, machine: str) -> str:
+def markdown(summary: dict, arms: list[Arm], job_line: str, machine: str, notes: list[str] = ()) -> str:
     window, n = summary["window"], len(summary["documents"])
     first = next((e["windows"] for e in summary["arms"].values() if "windows" in e), [])
     heads = [window_label(i, window) for i in range(len(first))]
     lines = [f"# Loss by position and passkey retrieval, {n} held-out documents", "", f"`{job_line}`", "",
              f"Machine: {machine}.", "",
+             *(line for note in notes for line in (f"{note[0].upper()}{note[1:]}", "")),
              "Loss (nats/token) per position window, mean over documents with 95% t interval:", "",
              "| arm | " + " | ".join(heads) + " | trailing |", "|---" * (len(heads) + 2) + "|"]
     for arm in arms:
@@ -552,8 +553,11 @@ def run(job: ContextEvalJob) -> dict:
     checkpoint = checks.checkpoint_file("--ckpt", job.ckpt)
     arms = check_job(job, checkpoint)
     tokenizer = load_tokenizer(job, checkpoint)  # before the arms' fit: a byte-level model's real problem
-    for arm in arms:  # before any model is built
-        arm.config(checkpoint_config(checkpoint))
+    configs = {arm.name: arm.config(checkpoint_config(checkpoint)) for arm in arms}  # before any model is built
+    notes = dense_notes(arms, configs, job.seq_len)
+    for note in notes:
+        sys.stderr.write(f"flexmoba: {note}\n")
+    sys.stderr.flush()
     if job.threads:
         torch.set_num_threads(job.threads)
     out = Path(job.out)
@@ -573,7 +577,21 @@ def run(job: ContextEvalJob) -> dict:
         print(f"[{i}/{len(items)}] {key['kind']} {key['arm']} "
               f"{key.get('document') or str(key.get('length')) + '@' + str(key.get('depth'))} "
               f"{elapsed:.0f}s elapsed, about {elapsed / i * (len(items) - i):.0f}s left", flush=True)
-    return report(job, arms, read_records(records_path), out)
+    return report(job, arms, read_records(records_path), out, notes)
+
+
+def dense_notes(arms: list[Arm], configs: dict[str, ModelConfig], seq_len: int) -> list[str]:
+    """``note: <arm>: ...`` for each arm whose MoBA cannot be sparse at ``seq_len`` (every earlier key in a
+    selected chunk: the arm's row is full attention's, a difference of +0.000;
+    :func:`lit.training.progress.moba_note`)."""
+    from lit.training.progress import moba_note
+
+    notes = []
+    for arm in arms:
+        note = moba_note(configs[arm.name], seq_len)
+        if note:
+            notes.append(f"note: {arm.name}: {note.removeprefix('note: ')}")
+    return notes
 
 
 def machine_name(device: str = "cpu") -> str:
@@ -589,12 +607,13 @@ def machine_name(device: str = "cpu") -> str:
     return f"torch {torch.__version__}"
 
 
-def report(job: ContextEvalJob, arms: list[Arm], records: list[dict], out: Path) -> dict:
+def report(job: ContextEvalJob, arms: list[Arm], records: list[dict], out: Path, notes: list[str] = ()) -> dict:
     summary = summarize(records, arms, job.window)
     summary["settings"] = job.settings()
+    summary["notes"] = list(notes)
     (out / "results.json").write_text(json.dumps(summary, indent=1))
     line = "flexmoba context-eval " + " ".join(sys.argv[1:])
-    (out / "results.md").write_text(markdown(summary, arms, line, machine_name(job.device)))
+    (out / "results.md").write_text(markdown(summary, arms, line, machine_name(job.device), notes))
     plot(summary, arms, out)
     return summary
 

@@ -182,3 +182,15 @@ def test_a_split_with_too_few_documents_is_refused_before_anything_is_written(se
     with pytest.raises(UsageError, match="--documents: the test split of .* fewer than 50"):
         context_eval.main(args)
     assert not (tmp_path / "refused").exists()  # so the same folder takes the corrected job
+
+
+def test_an_arm_that_cannot_be_sparse_is_named_in_a_note_and_in_the_report(setup, tmp_path, capsys):
+    args = job_args(setup, tmp_path / "dense")
+    args[args.index("--arms") + 1] = '["full", "moba:64:2", "moba:16:2"]'  # 64 x 2 covers all 128 positions
+    context_eval.main([*args, "--retrieval_lengths", "[]"])
+    notes = [line for line in capsys.readouterr().err.splitlines() if "note:" in line]
+    assert notes == ["flexmoba: note: moba:64:2: MoBA at seq_len 128 with chunk_size 64 × top_k 2 attends every "
+                     "earlier key (equals full attention); lower chunk_size or top_k to make it sparse"]
+    report = (tmp_path / "dense" / "results.md").read_text()
+    assert "Note: moba:64:2: MoBA at seq_len 128 with chunk_size 64 × top_k 2 attends every earlier key" in report
+    assert "moba:16:2:" not in report
