@@ -41,6 +41,8 @@ SUBCOMMANDS = {
     "continued-scaling-report": ("lit.experiments.continued_scaling_report",
                                  "a continued-scaling study's tables, fits and figures, from its records"),
     "gap-closed": ("lit.experiments.gap_closed", "how much of MoBA's gap continued training closes, per window"),
+    "lm-eval": ("lit.experiments.lm_eval_tasks",
+                "the RULER retrieval tasks of lm-evaluation-harness on a checkpoint, per arm"),
     "bench": ("benchmarks", "run a benchmark: flexmoba bench {attention,decode,documents,mask_build,...} --help"),
 }
 
