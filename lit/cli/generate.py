@@ -108,8 +108,8 @@ class GenerateJob:
     Args:
         ckpt: a flexmoba checkpoint (e.g. runs/moba/checkpoints/last.ckpt).
         prompt: text prompt (UTF-8).
-        max_new_bytes: bytes to generate (a byte-level model).
-        max_new_tokens: tokens to generate (a model that carries a tokenizer).
+        max_new_bytes: bytes to generate (a byte-level model; default 200).
+        max_new_tokens: tokens to generate (a model that carries a tokenizer; default 64).
         temperature: softmax temperature; 0 is greedy.
         sample_top_k: sample only among the k likeliest bytes (not MoBA's top-k).
         seed: sampling seed.
@@ -120,8 +120,8 @@ class GenerateJob:
 
     ckpt: str
     prompt: str = "def "
-    max_new_bytes: int = 200
-    max_new_tokens: int = 64
+    max_new_bytes: int | None = None
+    max_new_tokens: int | None = None
     temperature: float = 0.0
     sample_top_k: int | None = None
     seed: int = 0
@@ -132,33 +132,54 @@ class GenerateJob:
     def __post_init__(self):
         if not self.prompt:
             raise ValueError("--prompt: must hold at least one character, the text the model continues")
-        if self.max_new_bytes < 0 or self.max_new_tokens < 0 or self.temperature < 0:
-            raise ValueError("--max_new_bytes, --max_new_tokens and --temperature must be >= 0")
+        for option, value in (("--max_new_bytes", self.max_new_bytes), ("--max_new_tokens", self.max_new_tokens),
+                              ("--temperature", self.temperature)):
+            if value is not None and value < 0:
+                raise UsageError(option, f"must be >= 0, got {value}", "give 0 or more" + (
+                    " (0 is greedy)" if option == "--temperature" else ""))
         if self.sample_top_k is not None and self.sample_top_k < 1:
             raise ValueError(f"--sample_top_k must be a positive int, got {self.sample_top_k}")
+
+
+DEFAULT_NEW_BYTES, DEFAULT_NEW_TOKENS = 200, 64
+
+
+def new_count(job: GenerateJob, reads_tokens: bool) -> int:
+    """How many tokens (a model that carries a tokenizer) or bytes (a byte-level model) to generate; the
+    option of the other unit is refused, not ignored."""
+    if reads_tokens and job.max_new_bytes is not None:
+        raise UsageError("--max_new_bytes", f"{job.ckpt} reads tokens, not bytes (it carries a tokenizer)",
+                         f"give --max_new_tokens {job.max_new_bytes} instead")
+    if not reads_tokens and job.max_new_tokens is not None:
+        raise UsageError("--max_new_tokens", f"{job.ckpt} reads bytes, not tokens (a byte-level model)",
+                         f"give --max_new_bytes {job.max_new_tokens} instead")
+    if reads_tokens:
+        return DEFAULT_NEW_TOKENS if job.max_new_tokens is None else job.max_new_tokens
+    return DEFAULT_NEW_BYTES if job.max_new_bytes is None else job.max_new_bytes
 
 
 def main(argv: list[str] | None = None) -> None:
     job = parse_dataclass(GenerateJob, argv, prog="flexmoba generate", description=__doc__)
     checkpoint = checks.checkpoint_file("--ckpt", job.ckpt)
     device = checks.device("--device", job.device)
-    model = load_model(checkpoint, device)
-    if job.attention:
-        model.set_attention_override(job.attention)
-    generator = torch.Generator(device=device).manual_seed(job.seed)
     tokenizer_json = checkpoint_tokenizer(checkpoint)
-    out = sys.stdout.buffer
+    count = new_count(job, tokenizer_json is not None)
     if tokenizer_json is not None:
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_str(tokenizer_json)
-        prompt, unit, count = tokenizer.encode(job.prompt).ids, "tokens", job.max_new_tokens
+        prompt, unit = tokenizer.encode(job.prompt).ids, "tokens"
         if not prompt:
             raise UsageError("--prompt", f"{job.prompt!r} encodes to no token", "give text the model's tokenizer reads")
         shown = job.prompt.encode()
     else:
-        prompt, unit, count = list(job.prompt.encode()), "bytes", job.max_new_bytes
+        prompt, unit = list(job.prompt.encode()), "bytes"
         shown = bytes(prompt)
+    model = load_model(checkpoint, device)
+    if job.attention:
+        model.set_attention_override(job.attention)
+    generator = torch.Generator(device=device).manual_seed(job.seed)
+    out = sys.stdout.buffer
     out.write(shown)
     out.flush()
     trained = trained_length(checkpoint)

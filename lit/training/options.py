@@ -10,6 +10,7 @@ options are spelled out (no abbreviations).
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
 import re
 import sys
@@ -21,9 +22,42 @@ from lit.training.errors import BadArguments, UsageError
 T = TypeVar("T")
 
 
+PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
+GIVEN_VALUE = re.compile(r"(?:Given value|Got value): (.*)$", re.MULTILINE)
+EXPECTED_LITERAL = re.compile(r"Expected a typing\.Literal\[(.*?)\]")
+EXPECTED_CLASS = re.compile(r"Expected a <class '(\w+)'>")
+
+
+def value_rule(message: str) -> str | None:
+    """jsonargparse's refusal of a value as ``--option: must be one of moba, full, or null, got 'sparse'``
+    (the choices of a Literal, the type of a plain option, ``null`` where the option may be None), or None
+    when ``message`` is not a refused value."""
+    keys = [k for key in PARSER_KEY.findall(message) for k in key.split(".") if k != "init_args"]
+    given = GIVEN_VALUE.search(message)
+    if not keys or not given:
+        return None
+    literal = EXPECTED_LITERAL.search(message)
+    kinds = [kind for kind in dict.fromkeys(EXPECTED_CLASS.findall(message)) if kind != "NoneType"]
+    if literal:
+        try:
+            choices = ast.literal_eval(f"[{literal.group(1)}]")
+        except (ValueError, SyntaxError):
+            return None
+        rule = "must be one of " + ", ".join(str(choice) for choice in choices)
+    elif kinds:
+        rule = "must be " + " or ".join(kinds)
+    else:
+        return None
+    if "<class 'NoneType'>" in message:
+        rule += ", or null"
+    return f"--{'.'.join(keys)}: {rule}, got {given.group(1).strip()!r}"
+
+
 def one_line(error: Exception) -> str:
-    """jsonargparse's first two lines (``Parser key "steps":`` and why) as one."""
-    return " ".join(line.strip() for line in str(error).splitlines()[:2])
+    """jsonargparse's refusal as one line: a refused value as :func:`value_rule` words it, else its first two
+    lines (``Parser key "steps":`` and why) joined."""
+    message = str(error)
+    return value_rule(message) or " ".join(line.strip() for line in message.splitlines()[:2])
 
 
 def nested_dataclass(cls: type, name: str) -> type | None:

@@ -101,3 +101,33 @@ def test_streaming_gives_the_tokens_of_the_model_s_own_generate(tiny_checkpoint)
         generator = torch.Generator().manual_seed(seed)
         streamed = list(gen.stream(model, list(b"import "), 20, temperature, top_k, generator))
         assert streamed == expected.tolist()
+
+
+@pytest.fixture(scope="module")
+def token_checkpoint(tiny_checkpoint, tmp_path_factory):
+    """The tiny model carrying a tokenizer of its 256 tokens: a token-level model, as an import is."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    checkpoint = torch.load(tiny_checkpoint, weights_only=False)
+    checkpoint["tokenizer"] = {"tokenizer_json": tokenizer.to_str()}
+    path = tmp_path_factory.mktemp("token_ckpt") / "tokens.ckpt"
+    torch.save(checkpoint, path)
+    return path
+
+
+def test_max_new_bytes_on_a_model_that_reads_tokens_is_refused(token_checkpoint, capsys):
+    from lit.training.errors import UsageError
+
+    with pytest.raises(UsageError, match="--max_new_bytes: .* reads tokens, not bytes .*; give --max_new_tokens 5"):
+        gen.main(["--ckpt", str(token_checkpoint), "--prompt", "w1 w2", "--max_new_bytes", "5"])
+    gen.main(["--ckpt", str(token_checkpoint), "--prompt", "w1 w2", "--max_new_tokens", "5"])
+    assert capsys.readouterr().out.count("w") == 2 + 5  # the prompt's tokens and 5 more
+
+
+def test_max_new_tokens_on_a_byte_level_model_is_refused(tiny_checkpoint):
+    from lit.training.errors import UsageError
+
+    with pytest.raises(UsageError, match="--max_new_tokens: .* reads bytes, not tokens .*; give --max_new_bytes 5"):
+        gen.main(["--ckpt", str(tiny_checkpoint), "--max_new_tokens", "5"])

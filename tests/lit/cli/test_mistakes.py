@@ -77,6 +77,13 @@ MISTAKES = [
     (["generate", "--ckpt", "{run}/checkpoints/last.ckpt", "--max_new_bytes", "-1"], "must be >= 0"),
     (["generate", "--ckpt", "{run}/checkpoints/last.ckpt", "--temp", "0.5"], "unrecognized arguments: --temp"),
     (["generate", "--ckpt", "{run}/checkpoints/last.ckpt", "--prompt", ""], "--prompt: must hold at least one"),
+    (["generate", "--ckpt", "{run}/checkpoints/last.ckpt", "--max_new_tokens", "5"],
+     "--max_new_tokens: {run}/checkpoints/last.ckpt reads bytes, not tokens (a byte-level model); give --max_new_b"),
+    (["generate", "--ckpt", "{run}/checkpoints/last.ckpt", "--attention", "sparse"],
+     "--attention: must be one of moba, full, or null, got 'sparse'"),
+    (["generate", "--ckpt", "{run}/checkpoints/last.ckpt", "--sample_top_k", "many"],
+     "--sample_top_k: must be int, or null, got 'many'"),
+    (["generate", "--ckpt", "{run}/checkpoints/last.ckpt", "--seed", "x"], "--seed: must be int, got 'x'"),
     # export-hf
     (["export-hf", "--ckpt", "{missing}", "--out", "{empty}/hf"], "--ckpt: {missing} does not exist"),
     (["export-hf", "--ckpt", "{run}/checkpoints/last.ckpt", "--out", "{held}"],
