@@ -25,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lit.experiments.context_eval import FULL, read_records
+from lit.experiments.context_eval import FULL, Arm, read_records
+from lit.training import checks
 from lit.training.errors import UsageError
 from lit.training.options import parse_dataclass
 
@@ -57,16 +58,83 @@ def closed_share(before: np.ndarray, after: np.ndarray, seed: int = 0) -> dict:
             "closed": float(1 - after.mean() / before.mean()), "low": float(low), "high": float(high)}
 
 
+SAME = ("seq_len", "window", "trailing")  # the context-eval settings the three folders must share
+
+
+def eval_settings(option: str, folder: Path) -> dict:
+    """The settings of the context-eval that wrote ``folder`` (its job.json); UsageError naming ``option`` when
+    it is missing, a file, or not a context-eval folder."""
+    if not folder.exists():
+        raise UsageError(option, f"{folder} does not exist", "give a folder flexmoba context-eval wrote")
+    if not folder.is_dir():
+        raise UsageError(option, f"{folder} is a file, not a folder", "give a folder flexmoba context-eval wrote")
+    for name in ("records.jsonl", "job.json"):
+        if not (folder / name).is_file():
+            kind = "records" if name == "records.jsonl" else name
+            raise UsageError(option, f"{folder} holds no context-eval {kind}", "give a folder flexmoba "
+                             "context-eval wrote (its job.json and records.jsonl)")
+    try:
+        settings = json.loads((folder / "job.json").read_text())
+    except json.JSONDecodeError:
+        settings = None
+    if not isinstance(settings, dict) or not all(isinstance(settings.get(k), int) for k in SAME):
+        raise UsageError(option, f"{folder}/job.json is not a context-eval's", "give a folder flexmoba "
+                         "context-eval wrote")
+    return settings
+
+
+def odd_one(values: dict[str, object]) -> tuple[str, str] | None:
+    """Of three options' ``values``, ``(the option that differs, the others)``: the one the other two agree
+    against, else the second (the first is the reference); None when all agree."""
+    options = list(values)
+    if len(set(map(repr, values.values()))) == 1:
+        return None
+    for option in options:
+        others = [o for o in options if o != option]
+        if values[others[0]] == values[others[1]]:
+            return option, " and ".join(others)
+    return options[1], options[0]
+
+
+def check_agreement(folders: dict[str, Path], settings: dict[str, dict], documents: dict[str, set]) -> None:
+    """The three folders scored the same positions of the same documents; UsageError naming the one that differs."""
+    shown = {option: ", ".join(f"{k} {s[k]}" for k in SAME) for option, s in settings.items()}
+    odd = odd_one(shown)
+    if odd:
+        option, others = odd
+        raise UsageError(option, f"{folders[option]} was scored at {shown[option]}; the others ({others}) at "
+                         f"{shown[others.split(' and ')[0]]}", "give context-eval folders of the same --seq_len, "
+                         "--window and --trailing")
+    odd = odd_one({option: sorted(names) for option, names in documents.items()})
+    if odd:
+        option, others = odd
+        reference = documents[others.split(" and ")[0]]
+        apart = sorted(documents[option] ^ reference)
+        raise UsageError(option, f"{folders[option]} scored other documents than the others ({others}): "
+                         f"{len(documents[option])} against {len(reference)}, {len(apart)} in one only "
+                         f"({', '.join(apart[:3])}{', ...' if len(apart) > 3 else ''})",
+                         "give context-eval folders of the same documents (the same --root, --patterns, --split "
+                         "and --documents; a killed context-eval finishes when run again)")
+
+
 def gap_closed(before: Path, moba: Path, control: Path, arm: str) -> dict:
+    folders = {"--before": before, "--moba": moba, "--control": control}
+    settings = {option: eval_settings(option, folder) for option, folder in folders.items()}
     tables = {"base_full": window_table(before, FULL, "--before"), "base_moba": window_table(before, arm, "--before"),
               "moba": window_table(moba, arm, "--moba"), "control": window_table(control, FULL, "--control")}
-    documents = sorted(set.intersection(*(set(t) for t in tables.values())))
+    if set(tables["base_full"]) != set(tables["base_moba"]):
+        raise UsageError("--before", f"{before}'s arms full and {arm} scored other documents",
+                         "finish its context-eval (run it again: it goes on where it stopped)")
+    check_agreement(folders, settings, {"--before": set(tables["base_full"]), "--moba": set(tables["moba"]),
+                                        "--control": set(tables["control"])})
+    documents = sorted(tables["base_full"])
     if len(documents) < 2:
-        raise UsageError("--before", f"the folders share {len(documents)} documents", "score the same documents")
+        raise UsageError("--before", f"the folders share {len(documents)} documents",
+                         "score at least 2 (context-eval --documents)")
     arrays = {k: np.array([t[d] for d in documents]) for k, t in tables.items()}  # [documents, windows + 1]
     gap_before = arrays["base_moba"] - arrays["base_full"]
     gap_after = arrays["moba"] - arrays["control"]
-    window = json.loads((before / "job.json").read_text())["window"]
+    window = settings["--before"]["window"]
     columns = [f"{i * window}-{(i + 1) * window}" for i in range(gap_before.shape[1] - 1)] + ["trailing"]
     return {"arm": arm, "documents": documents, "windows": columns,
             "rows": [closed_share(gap_before[:, i], gap_after[:, i]) | {"window": c} for i, c in enumerate(columns)]}
@@ -112,8 +180,10 @@ class GapClosedJob:
         before: the context-eval folder of the pretrained model.
         moba: the context-eval folder of the model continued with MoBA.
         control: the context-eval folder of the model continued with full attention.
-        out: the folder for gap_closed.json, .md and .png.
+        out: the folder for gap_closed.json, .md and .png; a folder that holds files is refused
+            (--overwrite true replaces them).
         arm: the MoBA arm compared (as context-eval names it).
+        overwrite: replace what ``out`` holds.
     """
 
     before: str
@@ -121,15 +191,24 @@ class GapClosedJob:
     control: str
     out: str
     arm: str = "moba:512:3"
+    overwrite: bool = False
+
+
+def check_arm(text: str) -> None:
+    try:
+        arm = Arm.parse(text)
+    except UsageError as error:
+        raise UsageError("--arm", error.problem, "give moba:CHUNK:TOPK or moba:CHUNK:TOPK:N, as context-eval "
+                         "named it") from None
+    if arm.name == FULL:
+        raise UsageError("--arm", "full is not a MoBA arm", "give the MoBA arm compared, e.g. moba:512:3")
 
 
 def main(argv: list[str] | None = None) -> dict:
     job = parse_dataclass(GapClosedJob, argv, prog="flexmoba gap-closed", description=__doc__)
-    for option in ("before", "moba", "control"):
-        if not (Path(getattr(job, option)) / "records.jsonl").is_file():
-            raise UsageError(f"--{option}", f"{getattr(job, option)} holds no context-eval records")
+    check_arm(job.arm)
+    out = checks.output_folder("--out", job.out, job.overwrite)
     result = gap_closed(Path(job.before), Path(job.moba), Path(job.control), job.arm)
-    out = Path(job.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gap_closed.json").write_text(json.dumps(result, indent=1))
     (out / "gap_closed.md").write_text(markdown(result, "flexmoba gap-closed " + " ".join(sys.argv[1:])))

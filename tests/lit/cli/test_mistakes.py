@@ -27,6 +27,9 @@ def tiny(root: str, *extra: str) -> list[str]:
     return [*TINY, "--trainer.default_root_dir", root, *extra]
 
 
+# gap-closed of three context-eval folders that agree (each row changes one option)
+GAP = ["--before", "{evals}/before", "--moba", "{evals}/moba", "--control", "{evals}/control", "--out",
+       "{empty}/gap"]
 # context-eval of the tiny run with settings that fit it (each row changes one)
 EVAL = ["--ckpt", "{run}/checkpoints/last.ckpt", "--out", "{empty}/eval", "--tokenizer", "{bytes}", "--arms",
         "[full]", "--seq_len", "128", "--window", "32", "--trailing", "16", "--retrieval_lengths", "[128]"]
@@ -78,7 +81,8 @@ MISTAKES = [
     (["generate", "--ckpt", "{run}/checkpoints/last.ckpt", "--temp", "0.5"], "unrecognized arguments: --temp"),
     (["generate", "--ckpt", "{run}/checkpoints/last.ckpt", "--prompt", ""], "--prompt: must hold at least one"),
     (["generate", "--ckpt", "{run}/checkpoints/last.ckpt", "--max_new_tokens", "5"],
-     "--max_new_tokens: {run}/checkpoints/last.ckpt reads bytes, not tokens (a byte-level model); give --max_new_b"),
+     "--max_new_tokens: {run}/checkpoints/last.ckpt reads bytes, not tokens (a byte-level model); "
+     "give --max_new_bytes 5 instead"),
     (["generate", "--ckpt", "{run}/checkpoints/last.ckpt", "--attention", "sparse"],
      "--attention: must be one of moba, full, or null, got 'sparse'"),
     (["generate", "--ckpt", "{run}/checkpoints/last.ckpt", "--sample_top_k", "many"],
@@ -125,6 +129,19 @@ MISTAKES = [
     ]),
     (["gap-closed", "--before", "{empty}", "--moba", "{empty}", "--control", "{empty}", "--out", "{empty}/g"],
      "--before: {empty} holds no context-eval records"),
+    *((["gap-closed", *GAP, option, value], expected) for option, value, expected in [
+        ("--out", "{file}", "--out: {file} is a file, not a folder"),
+        ("--out", "{held}", "--out: {held} already holds output (earlier.md); pass --overwrite true"),
+        ("--before", "{missing}", "--before: {missing} does not exist"),
+        ("--moba", "{file}", "--moba: {file} is a file, not a folder"),
+        ("--control", "{empty}", "--control: {empty} holds no context-eval records"),
+        ("--control", "{evals}/other_length", "--control: {evals}/other_length was scored at seq_len 4096, window"),
+        ("--moba", "{evals}/other_documents", "--moba: {evals}/other_documents scored other documents than the"),
+        ("--arm", "moba:512", "--arm: 'moba:512' is not an arm"),
+        ("--arm", "full", "--arm: full is not a MoBA arm"),
+        ("--arm", "moba:256:3", "--before: {evals}/before holds no position records of arm 'moba:256:3'"),
+        ("--overwrite", "maybe", "--overwrite: must be bool, got 'maybe'"),
+    ]),
     # retrieval
     (["retrieval", "evaluate", "--ckpt", "{missing}", "--out", "{empty}/r"], "--ckpt: {missing} does not exist"),
     (["retrieval", "evaluate", "--ckpt", "{run}/checkpoints/last.ckpt", "--out", "{held}"],
@@ -176,12 +193,28 @@ def places(tmp_path_factory) -> dict[str, str]:
     corpus.mkdir()
     for i in range(16):
         (corpus / f"module{i}.py").write_text(f"# another corpus, file {i}\n" + "x = 1\n" * 60)
+    write_evals(root / "evals")
     for name, size in (("words", 320), ("bytes", 256)):
         word_tokenizer(size).save(str(root / f"{name}.json"))
-    return {"words": str(root / "words.json"), "bytes": str(root / "bytes.json"),
+    return {"words": str(root / "words.json"), "bytes": str(root / "bytes.json"), "evals": str(root / "evals"),
             "run": str(root / "run"), "empty": str(root / "empty"), "file": str(root / "file"),
             "junk": str(root / "junk.ckpt"), "held": str(root / "held"), "corpus": str(corpus),
             "missing": str(root / "no-such-thing"), "cwd": str(root)}
+
+
+def write_evals(root: Path) -> None:
+    """Context-eval folders as gap-closed reads them: before (full, moba:512:3), moba, control, and two that
+    disagree with them (other_length: seq_len 4096; other_documents: one document fewer)."""
+    arms = {"before": ["full", "moba:512:3"], "moba": ["moba:512:3"], "control": ["full"],
+            "other_length": ["full"], "other_documents": ["moba:512:3"]}
+    for name, scored in arms.items():
+        (root / name).mkdir(parents=True)
+        settings = {"seq_len": 4096 if name == "other_length" else 2048, "window": 1024, "trailing": 256}
+        (root / name / "job.json").write_text(json.dumps(settings))
+        documents = ["a.py", "b.py"] if name == "other_documents" else ["a.py", "b.py", "c.py"]
+        (root / name / "records.jsonl").write_text("".join(
+            json.dumps({"kind": "position", "arm": arm, "document": d, "windows": [2.0, 1.5], "trailing": 1.4}) + "\n"
+            for arm in scored for d in documents))
 
 
 def word_tokenizer(size: int):

@@ -16,7 +16,7 @@ from lit.training.errors import UsageError  # noqa: E402
 def write_eval(folder: Path, losses: dict[str, dict[str, list[float]]]) -> Path:
     """A context-eval folder whose records hold ``losses[arm][document]`` = windows + trailing."""
     folder.mkdir(parents=True)
-    (folder / "job.json").write_text(json.dumps({"window": 1024}))
+    (folder / "job.json").write_text(json.dumps({"seq_len": 2048, "window": 1024, "trailing": 256}))
     with (folder / "records.jsonl").open("w") as f:
         for arm, documents in losses.items():
             for document, values in documents.items():
@@ -71,3 +71,66 @@ def test_a_trailing_window_without_a_gap_ends_in_a_line_saying_so(folders, capsy
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert "trailing window: no gap before" in line and str(folders["out"]) in line
     assert (folders["out"] / "gap_closed.md").is_file() and (folders["out"] / "gap_closed.png").is_file()
+
+
+def args_of(folders: dict[str, Path], **changed) -> list[str]:
+    return [f"--{k}={v}" for k, v in {**folders, **changed}.items()]
+
+
+def test_an_out_that_is_a_file_is_refused(folders, tmp_path):
+    (tmp_path / "a_file").write_text("not a folder\n")
+    with pytest.raises(UsageError, match="--out: .*a_file is a file, not a folder"):
+        gap_closed.main(args_of(folders, out=tmp_path / "a_file"))
+
+
+def test_an_out_holding_output_is_refused_unless_overwrite(folders):
+    gap_closed.main(args_of(folders))
+    written = (folders["out"] / "gap_closed.md").read_text()
+    (folders["out"] / "gap_closed.md").write_text("kept\n")
+    with pytest.raises(UsageError, match="--out: .* already holds output .*; pass --overwrite true"):
+        gap_closed.main(args_of(folders))
+    assert (folders["out"] / "gap_closed.md").read_text() == "kept\n"
+    gap_closed.main([*args_of(folders), "--overwrite", "true"])
+    assert (folders["out"] / "gap_closed.md").read_text() == written
+
+
+@pytest.mark.parametrize("option", ["before", "moba", "control"])
+@pytest.mark.parametrize("setting, value", [("seq_len", 4096), ("window", 512), ("trailing", 128)])
+def test_a_folder_scored_with_other_settings_is_refused_naming_its_option(folders, option, setting, value):
+    job = json.loads((folders[option] / "job.json").read_text())
+    (folders[option] / "job.json").write_text(json.dumps({**job, setting: value}))
+    expected = f"--{option}: .* was scored at .*{setting} {value}.*; the others \\(.*\\) at"
+    with pytest.raises(UsageError, match=expected):  # the folder the other two agree against is named
+        gap_closed.main(args_of(folders))
+    assert not folders["out"].exists()
+
+
+@pytest.mark.parametrize("option", ["moba", "control"])
+def test_a_folder_of_other_documents_is_refused_naming_its_option(folders, option):
+    path = folders[option] / "records.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:-1]) + "\n")  # one document fewer: a killed context-eval
+    with pytest.raises(UsageError, match=f"--{option}: .* scored other documents than the others"):
+        gap_closed.main(args_of(folders))
+    assert not folders["out"].exists()
+
+
+@pytest.mark.parametrize("option", ["before", "moba", "control"])
+def test_a_folder_that_is_missing_or_a_file_or_not_a_context_eval_is_refused_naming_its_option(folders, option,
+                                                                                               tmp_path):
+    with pytest.raises(UsageError, match=f"--{option}: .*nowhere does not exist"):
+        gap_closed.main(args_of(folders, **{option: tmp_path / "nowhere"}))
+    (tmp_path / "a_file").write_text("not a folder\n")
+    with pytest.raises(UsageError, match=f"--{option}: .*a_file is a file, not a folder"):
+        gap_closed.main(args_of(folders, **{option: tmp_path / "a_file"}))
+    (folders[option] / "job.json").unlink()
+    with pytest.raises(UsageError, match=f"--{option}: .* holds no context-eval job.json"):
+        gap_closed.main(args_of(folders))
+    assert not folders["out"].exists()
+
+
+def test_an_arm_that_is_not_a_moba_arm_is_refused(folders):
+    with pytest.raises(UsageError, match="--arm: 'moba:512' is not an arm"):
+        gap_closed.main([*args_of(folders), "--arm", "moba:512"])
+    with pytest.raises(UsageError, match="--arm: full is not a MoBA arm"):
+        gap_closed.main([*args_of(folders), "--arm", "full"])
