@@ -8,13 +8,21 @@ Each layer attends with ``"moba"`` (:func:`flexmoba.moba_attention`) or ``"full"
 (causal SDPA). ``full_attention_last_n_layers`` makes the last layers full, the paper's
 layer-wise hybrid; :meth:`GPT.set_attention_override` switches every layer at runtime,
 the paper's training-phase hybrid (MoBA first, full attention at the end).
+
+Other architectures are configuration of the same model, not other models (litgpt's way):
+Gemma 3 is ``layer_types`` with ``"sliding"`` layers (:func:`flexmoba.sliding_window_attention`,
+their own ``rope_base_local``; MoBA and the override act on the ``"global"`` layers only),
+``qk_norm``, ``sandwich_norms``, ``mlp_activation="gelu_tanh"`` (GeGLU), ``embedding_scale``,
+``query_scale`` and ``norm_offset``. The defaults build the Llama-style model above, module
+for module.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -26,11 +34,19 @@ from flexmoba.decode import dense_decode_attention, moba_decode_attention
 from flexmoba.kv_cache import MoBAKVCache
 from flexmoba.layout import ChunkLayout, chunk_layout
 from flexmoba.pair_counts import keys_attended_full, keys_attended_moba
+from flexmoba.sliding_window import context_parallel_sliding_window_attention as context_parallel_sliding_attention
+from flexmoba.sliding_window import keys_attended_sliding, sliding_window_attention
 from flexmoba.spec import MobaSpec
 
-__all__ = ["ATTENTION_KINDS", "GPT", "ModelConfig", "capture_attention_inputs", "sample_next_token"]
+__all__ = ["ATTENTION_KINDS", "GPT", "LAYER_TYPES", "MLP_ACTIVATIONS", "ModelConfig", "capture_attention_inputs",
+           "sample_next_token"]
 
-ATTENTION_KINDS = ("moba", "full")
+ATTENTION_KINDS = ("moba", "full")  # what a global layer attends with
+LAYER_TYPES = ("global", "sliding")  # a sliding layer always attends its window, whatever the attention
+MLP_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,  # SwiGLU (Llama)
+    "gelu_tanh": partial(F.gelu, approximate="tanh"),  # GeGLU (Gemma; transformers' gelu_pytorch_tanh)
+}
 TRAINING_MULTIPLIER = 3  # forward + backward (~2x forward)
 
 
@@ -57,8 +73,25 @@ class ModelConfig:
         attention: ``"moba"`` or ``"full"`` for every layer not forced full below.
         moba: MoBA's chunk size, top-k, granularity and backend (:class:`flexmoba.MobaSpec`;
             ``"auto"`` picks the backend per device, sequence length and grad mode).
-        full_attention_last_n_layers: the last N layers use full attention (layer hybrid).
+        full_attention_last_n_layers: the last N layers use full attention (layer hybrid); a
+            sliding layer among them keeps its window.
         init_std: std of the normal init of linear and embedding weights.
+        layer_types: per layer, ``"global"`` (attends with ``attention``: MoBA or full) or
+            ``"sliding"`` (sliding-window causal attention over ``sliding_window`` keys, its own
+            included); ``None`` means every layer global.
+        sliding_window: keys a sliding layer attends (Gemma 3: 512); needed when a layer slides.
+        rope_base_local: the RoPE base of sliding layers (Gemma 3: 1e4 against the global 1e6);
+            ``None`` means ``rope_base``.
+        qk_norm: an RMSNorm over each head's queries and keys before RoPE (``attn.q_norm``, ``attn.k_norm``).
+        sandwich_norms: an RMSNorm on the output of attention and of the MLP too, before each
+            residual add (``attn_post_norm``, ``mlp_post_norm``), as Gemma.
+        mlp_activation: the gated MLP's activation, ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU).
+        embedding_scale: the token embeddings are multiplied by it, in the embedding's dtype
+            (Gemma: sqrt(d_model)); ``None``: not scaled.
+        query_scale: the attention softmax scale; ``None`` means ``head_dim ** -0.5`` (Gemma:
+            ``query_pre_attn_scalar ** -0.5``).
+        norm_offset: RMSNorm multiplies by ``norm_offset + weight``, computed in fp32 (Gemma: 1, its
+            weights centered on 0); 0 is ``nn.RMSNorm``, in the input's dtype.
     """
 
     vocab_size: int = 256
@@ -76,6 +109,15 @@ class ModelConfig:
     moba: MobaSpec = field(default_factory=lambda: MobaSpec(chunk_size=128, top_k=3))
     full_attention_last_n_layers: int = 0
     init_std: float = 0.02
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    rope_base_local: float | None = None
+    qk_norm: bool = False
+    sandwich_norms: bool = False
+    mlp_activation: str = "silu"
+    embedding_scale: float | None = None
+    query_scale: float | None = None
+    norm_offset: float = 0.0
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -111,11 +153,47 @@ class ModelConfig:
                 f"ModelConfig.full_attention_last_n_layers must be in [0, n_layers={self.n_layers}], "
                 f"got {self.full_attention_last_n_layers}"
             )
+        self._check_architecture()
+
+    def _check_architecture(self) -> None:
+        """The fields beyond the Llama-style default (Gemma's and the like)."""
+        if self.layer_types is not None:
+            if isinstance(self.layer_types, str) or len(self.layer_types) != self.n_layers or any(
+                    kind not in LAYER_TYPES for kind in self.layer_types):
+                raise ValueError(f"ModelConfig.layer_types must be None or n_layers={self.n_layers} of "
+                                 f"{LAYER_TYPES}, got {self.layer_types!r}")
+            self.layer_types = list(self.layer_types)
+        if self.sliding_window is not None and not is_positive_int(self.sliding_window):
+            raise ValueError(f"ModelConfig.sliding_window must be a positive int or None, got {self.sliding_window!r}")
+        if self.sliding_window is None and "sliding" in (self.layer_types or []):
+            raise ValueError("ModelConfig.sliding_window must be set: layer_types has sliding layers")
+        for name in ("rope_base_local", "embedding_scale", "query_scale"):
+            value = getattr(self, name)
+            if value is not None and not (is_finite_number(value) and value > 0):
+                raise ValueError(f"ModelConfig.{name} must be a positive number or None, got {value!r}")
+        for name in ("qk_norm", "sandwich_norms"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"ModelConfig.mlp_activation must be one of {tuple(MLP_ACTIVATIONS)}, "
+                             f"got {self.mlp_activation!r}")
+        if not is_finite_number(self.norm_offset):
+            raise ValueError(f"ModelConfig.norm_offset must be a finite number, got {self.norm_offset!r}")
+
+    def types(self) -> list[str]:
+        """``layer_types`` with its default: ``"global"`` or ``"sliding"`` per layer."""
+        return self.layer_types or ["global"] * self.n_layers
 
     def layer_attention(self) -> list[str]:
-        """The attention kind of each layer, first to last."""
+        """The attention kind of each layer, first to last: ``"moba"``, ``"full"`` or ``"sliding"``."""
         n_full = self.full_attention_last_n_layers
-        return [self.attention] * (self.n_layers - n_full) + ["full"] * n_full
+        kinds = [self.attention] * (self.n_layers - n_full) + ["full"] * n_full
+        return ["sliding" if layer == "sliding" else kind for layer, kind in zip(self.types(), kinds, strict=True)]
+
+    def layer_rope_bases(self) -> list[float]:
+        """The RoPE base of each layer (sliding layers may have their own)."""
+        local = self.rope_base if self.rope_base_local is None else self.rope_base_local
+        return [local if kind == "sliding" else self.rope_base for kind in self.types()]
 
     def num_parameters(self, non_embedding: bool = True) -> int:
         """Parameter count from the formula (tests check it against the module).
@@ -125,8 +203,9 @@ class ModelConfig:
         """
         C, D, V = self.d_model, self.head_dim, self.vocab_size
         attn = C * self.n_heads * D + 2 * C * self.n_kv_heads * D + self.n_heads * D * C
+        attn += 2 * D if self.qk_norm else 0
         mlp = 3 * C * self.mlp_hidden
-        norms = 2 * C
+        norms = (4 if self.sandwich_norms else 2) * C
         total = self.n_layers * (attn + mlp + norms) + C  # + final norm
         if not non_embedding:
             total += V * C * (1 if self.tie_embeddings else 2)
@@ -149,6 +228,8 @@ class ModelConfig:
         """
         pairs = {"full": keys_attended_full(seq_len),
                  "moba": keys_attended_moba(seq_len, self.moba.chunk_size, self.moba.top_k)}
+        if self.sliding_window is not None:
+            pairs["sliding"] = keys_attended_sliding(seq_len, self.sliding_window)
         attended = sum(pairs[kind] for kind in layer_attention or self.layer_attention())
         forward = 4 * self.n_heads * self.head_dim * attended
         return forward * (TRAINING_MULTIPLIER if training else 1)
@@ -164,6 +245,14 @@ class ModelConfig:
     def attention_sparsity(self, seq_len: int) -> float:
         """Share of causal (query, key) pairs MoBA skips at ``seq_len`` (0 when it equals full attention)."""
         return 1.0 - keys_attended_moba(seq_len, self.moba.chunk_size, self.moba.top_k) / keys_attended_full(seq_len)
+
+
+def is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def is_finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,6 +274,33 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotated.to(x.dtype)
 
 
+class OffsetRMSNorm(nn.RMSNorm):
+    """Gemma's RMSNorm: ``x / rms(x) * (offset + weight)`` in fp32, then back to x's dtype.
+
+    Its weights are centered on ``1 - offset`` (0 for Gemma's offset of 1), so they start as the identity.
+    """
+
+    def __init__(self, dim: int, eps: float | None, offset: float):
+        self.offset = float(offset)
+        super().__init__(dim, eps=eps)
+
+    def reset_parameters(self) -> None:
+        nn.init.constant_(self.weight, 1.0 - self.offset)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return (normed * (self.offset + self.weight.float())).type_as(x)
+
+
+def rms_norm(dim: int, config: ModelConfig) -> nn.RMSNorm:
+    """The model's RMSNorm over the last ``dim`` features (``nn.RMSNorm`` unless ``config.norm_offset``)."""
+    if config.norm_offset:
+        return OffsetRMSNorm(dim, config.norm_eps, config.norm_offset)
+    return nn.RMSNorm(dim, eps=config.norm_eps)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: ModelConfig, kind: str):
         super().__init__()
@@ -197,18 +313,24 @@ class CausalSelfAttention(nn.Module):
         self.wk = nn.Linear(C, config.n_kv_heads * D, bias=False)
         self.wv = nn.Linear(C, config.n_kv_heads * D, bias=False)
         self.wo = nn.Linear(config.n_heads * D, C, bias=False)
+        self.q_norm = rms_norm(D, config) if config.qk_norm else None
+        self.k_norm = rms_norm(D, config) if config.qk_norm else None
 
     @property
     def active_kind(self) -> str:
-        return self.override or self.kind
+        """``"sliding"`` for a sliding layer (the override switches global layers only), else the override or kind."""
+        return self.kind if self.kind == "sliding" else self.override or self.kind
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``x: [B, S, C]`` -> q ``[B, H, S, D]``, k and v ``[B, H_kv, S, D]``, RoPE on q and k."""
+        """``x: [B, S, C]`` -> q ``[B, H, S, D]``, k and v ``[B, H_kv, S, D]``, RoPE on q and k
+        (after QK-norm, when the model has it)."""
         B, S, _ = x.shape
         cfg = self.config
         q = self.wq(x).view(B, S, cfg.n_heads, cfg.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, S, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, S, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: ChunkLayout | None = None,
@@ -219,50 +341,72 @@ class CausalSelfAttention(nn.Module):
         """
         B, S, _ = x.shape
         cfg = self.config
+        cp, kind, scale = self.context_parallel, self.active_kind, cfg.query_scale
         q, k, v = self.qkv(x, cos, sin)
         if cache is not None:
             y = self._attend_cached(q, k, v, cache)
-        elif self.context_parallel is not None and self.active_kind == "moba":
-            y = context_parallel_attention(q, k, v, self.context_parallel, cfg.moba)
-        elif self.context_parallel is not None:
-            y = context_parallel_full_attention(q, k, v, self.context_parallel)
-        elif self.active_kind == "moba":
-            y = moba_attention(q, k, v, cfg.moba, layout=layout)
+        elif kind == "sliding" and cp is not None:
+            y = context_parallel_sliding_attention(q, k, v, cp, cfg.sliding_window, scale=scale)
+        elif kind == "sliding":
+            y = sliding_window_attention(q, k, v, cfg.sliding_window, scale=scale)
+        elif cp is not None and kind == "moba":
+            y = context_parallel_attention(q, k, v, cp, cfg.moba, scale=scale)
+        elif cp is not None:
+            y = context_parallel_full_attention(q, k, v, cp, scale=scale)
+        elif kind == "moba":
+            y = moba_attention(q, k, v, cfg.moba, layout=layout, scale=scale)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=cfg.n_kv_heads != cfg.n_heads)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                               enable_gqa=cfg.n_kv_heads != cfg.n_heads)
         return self.wo(y.transpose(1, 2).reshape(B, S, cfg.n_heads * cfg.head_dim))
 
     def _attend_cached(self, q, k, v, cache: MoBAKVCache) -> torch.Tensor:
-        """Append k, v to the cache; attend the new queries over it (MoBA decode or full causal)."""
+        """Append k, v to the cache; attend the new queries over it (sliding window, MoBA decode or full causal)."""
+        cfg = self.config
         cache.update(k, v)
+        if self.active_kind == "sliding":
+            if cache.start is not None:
+                raise ValueError("a sliding-window layer does not decode left-padded caches (MoBAKVCache start)")
+            return sliding_window_attention(q, cache.keys, cache.values, cfg.sliding_window, scale=cfg.query_scale,
+                                            query_start=cache.length - q.shape[2])
         if self.active_kind == "moba":
-            return moba_decode_attention(q, cache, self.config.moba)
-        return dense_decode_attention(q, cache)
+            return moba_decode_attention(q, cache, cfg.moba, scale=cfg.query_scale)
+        return dense_decode_attention(q, cache, scale=cfg.query_scale)
 
 
-class SwiGLU(nn.Module):
+class GatedMLP(nn.Module):
+    """``w_down(act(w_gate x) * w_up x)``: SwiGLU with SiLU, GeGLU with tanh-GELU (``config.mlp_activation``)."""
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.w_gate = nn.Linear(config.d_model, config.mlp_hidden, bias=False)
         self.w_up = nn.Linear(config.d_model, config.mlp_hidden, bias=False)
         self.w_down = nn.Linear(config.mlp_hidden, config.d_model, bias=False)
+        self.activation = MLP_ACTIVATIONS[config.mlp_activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        return self.w_down(self.activation(self.w_gate(x)) * self.w_up(x))
+
+
+SwiGLU = GatedMLP  # its name before GeGLU joined it
 
 
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, kind: str):
         super().__init__()
-        self.attn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.attn_norm = rms_norm(config.d_model, config)
         self.attn = CausalSelfAttention(config, kind)
-        self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.mlp = SwiGLU(config)
+        self.mlp_norm = rms_norm(config.d_model, config)
+        self.mlp = GatedMLP(config)
+        self.attn_post_norm = rms_norm(config.d_model, config) if config.sandwich_norms else None
+        self.mlp_post_norm = rms_norm(config.d_model, config) if config.sandwich_norms else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: ChunkLayout | None = None,
                 cache: MoBAKVCache | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, layout, cache)
-        return x + self.mlp(self.mlp_norm(x))
+        h = self.attn(self.attn_norm(x), cos, sin, layout, cache)
+        x = x + (h if self.attn_post_norm is None else self.attn_post_norm(h))
+        h = self.mlp(self.mlp_norm(x))
+        return x + (h if self.mlp_post_norm is None else self.mlp_post_norm(h))
 
 
 class GPT(nn.Module):
@@ -271,7 +415,7 @@ class GPT(nn.Module):
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(Block(config, kind) for kind in config.layer_attention())
-        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.norm = rms_norm(config.d_model, config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
@@ -336,12 +480,15 @@ class GPT(nn.Module):
         past = caches[0].length if caches else 0
         if cp is not None:
             past, _ = cp.local_range(S * cp.size)  # this rank's first global position
-        cos, sin = rope_tables(past + S, cfg.head_dim, cfg.rope_base, tokens.device)
-        cos, sin = cos[past:], sin[past:]
+        bases = cfg.layer_rope_bases()
+        tables = {base: [table[past:] for table in rope_tables(past + S, cfg.head_dim, base, tokens.device)]
+                  for base in dict.fromkeys(bases)}  # (cos, sin) per RoPE base
         layout = None if caches else chunk_layout(B, S, cfg.moba.chunk_size, tokens.device)  # shared by all layers
         x = self.tok_emb(tokens)
-        for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, layout, caches[i] if caches else None)
+        if cfg.embedding_scale is not None:  # in the embedding's dtype, as Gemma (bf16 rounds sqrt(C))
+            x = x * torch.tensor(cfg.embedding_scale, dtype=x.dtype, device=x.device)
+        for i, (block, base) in enumerate(zip(self.blocks, bases, strict=True)):
+            x = block(x, *tables[base], layout, caches[i] if caches else None)
         return self.lm_head(self.norm(x))
 
     def new_caches(self, dense_decode: bool = False) -> list[MoBAKVCache]:

@@ -144,3 +144,125 @@ def test_generate_with_and_without_cache_agree():
     cached = model.generate(prompt, 20)
     recomputed = model.generate(prompt, 20, use_cache=False)
     assert cached.shape == (1, 30) and torch.equal(cached, recomputed)
+
+
+# -- architecture as configuration: Gemma-style fields (the real Gemma 3: test_gemma3.py) -----------------
+
+GEMMA_STYLE = dict(TINY, n_layers=3, n_kv_heads=2, head_dim=12, layer_types=["sliding", "sliding", "global"],
+                   sliding_window=5, rope_base_local=500.0, qk_norm=True, sandwich_norms=True,
+                   mlp_activation="gelu_tanh", embedding_scale=32**0.5, query_scale=0.2, norm_offset=1.0)
+
+
+def gemma_style(**overrides) -> ModelConfig:
+    return ModelConfig(**{**GEMMA_STYLE, **overrides})
+
+
+def test_the_default_model_builds_the_same_modules_and_weights():
+    """Checkpoints on disk keep loading: the Llama-style model has no module or weight the new fields add."""
+    from flexmoba.integrations.export import LAYER_WEIGHTS, MODEL_WEIGHTS
+
+    model = GPT(ModelConfig())
+    layer_keys = {f"blocks.{i}.{name}" for i in range(4) for name in LAYER_WEIGHTS}
+    assert set(model.state_dict()) == layer_keys | set(MODEL_WEIGHTS)
+    kinds = {type(module).__name__ for module in model.modules()}
+    assert kinds == {"GPT", "Embedding", "ModuleList", "Block", "RMSNorm", "CausalSelfAttention", "Linear", "GatedMLP"}
+    assert all(type(module) is torch.nn.RMSNorm for module in model.modules() if "RMSNorm" in type(module).__name__)
+
+
+def test_gemma_style_weights_are_named_and_counted():
+    config = gemma_style()
+    model = GPT(config)
+    names = set(model.state_dict())
+    assert {"blocks.0.attn.q_norm.weight", "blocks.0.attn.k_norm.weight", "blocks.2.attn_post_norm.weight",
+            "blocks.2.mlp_post_norm.weight"} <= names
+    for non_embedding in (True, False):
+        assert config.num_parameters(non_embedding) == model.num_parameters(non_embedding)
+    norm = model.blocks[0].attn_norm  # Gemma's weights are centered on 0: a fresh norm is still the identity scale
+    assert torch.equal(norm.weight, torch.zeros(32))
+
+
+def test_sliding_layers_keep_their_window_whatever_the_attention():
+    model = GPT(gemma_style(attention="moba", full_attention_last_n_layers=2))
+    assert model.layer_attention() == ["sliding", "sliding", "full"]  # MoBA only ever replaces a global layer
+    assert GPT(gemma_style(attention="moba")).layer_attention() == ["sliding", "sliding", "moba"]
+    model.set_attention_override("moba")
+    assert model.layer_attention() == ["sliding", "sliding", "moba"]
+    assert gemma_style().layer_rope_bases() == [500.0, 500.0, 10000.0]
+
+
+def test_the_norm_with_an_offset_is_gemmas():
+    from flexmoba.model import OffsetRMSNorm
+
+    norm = OffsetRMSNorm(8, 1e-6, 1.0)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    x32 = x.float()
+    expected = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + norm.weight)
+    assert norm(x).dtype == torch.bfloat16 and torch.equal(norm(x), expected.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("attention", ["moba", "full"])
+def test_gemma_style_future_tokens_do_not_change_earlier_logits(attention):
+    torch.manual_seed(0)
+    model = GPT(gemma_style(attention=attention)).eval()
+    x = tokens(2, 64)
+    changed = x.clone()
+    changed[:, 40:] = (changed[:, 40:] + 7) % 256
+    with torch.no_grad():
+        a, b = model(x), model(changed)
+    torch.testing.assert_close(a[:, :40], b[:, :40], rtol=0, atol=1e-5)
+    assert not torch.allclose(a[:, 40:], b[:, 40:])
+
+
+def test_a_window_past_the_sequence_is_a_global_layer():
+    """Sliding layers with a window of at least S (and the global RoPE base) compute the global model."""
+    torch.manual_seed(0)
+    windowed = GPT(gemma_style(sliding_window=64, rope_base_local=None, attention="full")).eval()
+    plain = GPT(gemma_style(layer_types=None, sliding_window=None, rope_base_local=None, attention="full")).eval()
+    plain.load_state_dict(windowed.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(windowed(tokens()), plain(tokens()), rtol=1e-5, atol=1e-5)
+        windowed_short = GPT(gemma_style(sliding_window=8, rope_base_local=None, attention="full")).eval()
+        windowed_short.load_state_dict(windowed.state_dict())
+        assert not torch.allclose(windowed_short(tokens()), plain(tokens()), atol=1e-4)
+
+
+@pytest.mark.parametrize("attention", ["moba", "full"])
+def test_gemma_style_cached_decoding_equals_one_parallel_forward(attention):
+    """The sliding layers decode over their window only: prefill and steps cross it many times."""
+    torch.manual_seed(0)
+    model = GPT(gemma_style(attention=attention, moba=MobaSpec(8, 2, backend="sdpa"))).eval()
+    x = torch.randint(0, 256, (2, 45))
+    with torch.no_grad():
+        parallel = model(x)
+        caches = model.new_caches()
+        prefill = model(x[:, :13], caches)
+        steps = [model(x[:, t:t + 1], caches) for t in range(13, 45)]
+    torch.testing.assert_close(torch.cat([prefill, *steps], dim=1), parallel, atol=1e-4, rtol=1e-4)
+
+
+def test_gemma_style_generate_with_and_without_cache_agree():
+    torch.manual_seed(0)
+    model = GPT(gemma_style(moba=MobaSpec(4, 2, backend="sdpa"))).eval()
+    prompt = torch.randint(0, 256, (1, 10))
+    assert torch.equal(model.generate(prompt, 20), model.generate(prompt, 20, use_cache=False))
+
+
+def test_gemma_style_flop_accounting_counts_the_window():
+    from flexmoba.sliding_window import keys_attended_sliding
+
+    config = gemma_style(attention="full")
+    per_pair = 4 * config.n_heads * config.head_dim
+    expected = per_pair * (2 * keys_attended_sliding(100, 5) + keys_attended_full(100))
+    assert config.attention_flops_per_sequence(100, training=False) == expected
+
+
+@pytest.mark.parametrize("field, value", [
+    ("layer_types", ["sliding", "global"]), ("layer_types", ["sliding", "local", "global"]), ("layer_types", "global"),
+    ("sliding_window", None), ("sliding_window", 0), ("rope_base_local", -1.0), ("qk_norm", 1),
+    ("sandwich_norms", "yes"), ("mlp_activation", "relu"), ("embedding_scale", 0.0), ("query_scale", float("nan")),
+    ("norm_offset", float("inf")), ("norm_offset", True),
+])
+def test_bad_architecture_field_is_named(field, value):
+    with pytest.raises(ValueError, match=f"ModelConfig.{field}"):
+        gemma_style(**{field: value})
