@@ -138,7 +138,10 @@ class GenerateJob:
                 raise UsageError(option, f"must be >= 0, got {value}", "give 0 or more" + (
                     " (0 is greedy)" if option == "--temperature" else ""))
         if self.sample_top_k is not None and self.sample_top_k < 1:
-            raise ValueError(f"--sample_top_k must be a positive int, got {self.sample_top_k}")
+            raise UsageError("--sample_top_k", f"must be a positive int, got {self.sample_top_k}",
+                             "give k >= 1, or leave it out to sample among every token")
+        if not 0 <= self.seed < 2**63:
+            raise UsageError("--seed", f"must be in [0, 2**63), got {self.seed}", "give e.g. --seed 0")
 
 
 DEFAULT_NEW_BYTES, DEFAULT_NEW_TOKENS = 200, 64

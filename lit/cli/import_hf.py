@@ -69,6 +69,9 @@ class ImportJob:
 
 def main(argv: list[str] | None = None) -> Path:
     job = parse_dataclass(ImportJob, argv, prog="flexmoba import-hf", description=__doc__)
+    if Path(job.source).is_file() and Path(job.source).suffix != ".gguf":
+        raise UsageError("--source", f"{job.source} is a file, not a .gguf", "give a .gguf file, a transformers "
+                         "model folder or a packaged name (smollm2)")
     out = checks.output_folder("--out", job.out, job.overwrite)
     from transformers.utils import logging as transformers_logging
 
@@ -81,6 +84,10 @@ def main(argv: list[str] | None = None) -> Path:
         pretrained = load_pretrained(job.source)
     except PretrainedError as error:
         raise UsageError("--source", str(error)) from None
+    except (ValueError, OSError, KeyError) as error:  # transformers' refusal of a file or folder it cannot read
+        said = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise UsageError("--source", f"{job.source} is not a model transformers reads ({said})",
+                         "give a Llama-family .gguf or transformers folder, or a packaged name (smollm2)") from None
     path = write_import(pretrained, out)
     config = pretrained.model.config
     print(json.dumps({"checkpoint": str(path), "tokenizer": str(out / TOKENIZER_NAME)

@@ -502,6 +502,12 @@ def check_job(job: ContextEvalJob, checkpoint: dict) -> list[Arm]:
         if context is not None and value > context:
             raise UsageError(option, f"{value} tokens exceed the model's context of {context}",
                              f"give at most {context}")
+    if job.seq_len % job.window:
+        raise UsageError("--window", f"seq_len {job.seq_len} must be a multiple of window {job.window}",
+                         "give a window that divides --seq_len")
+    if job.trailing > job.seq_len:
+        raise UsageError("--trailing", f"{job.trailing} positions exceed --seq_len {job.seq_len}",
+                         f"give at most {job.seq_len}")
     return arms
 
 
@@ -509,7 +515,7 @@ SPLITS = ("train", "val", "test")
 
 
 def check_values(job: ContextEvalJob) -> None:
-    """Each option's value on its own (and with the one it must agree with), before anything is read."""
+    """Each option's value on its own, before anything is read (with the checkpoint: :func:`check_job`)."""
     counts = (("--seq_len", job.seq_len, "the tokens scored per document, e.g. 8192"),
               ("--documents", job.documents, "the documents scored per arm, e.g. 20"),
               ("--window", job.window, "the width of the position windows, e.g. 1024"),
@@ -520,12 +526,6 @@ def check_values(job: ContextEvalJob) -> None:
     for option, value, what in counts:
         if value is not None and value <= 0:
             raise UsageError(option, f"must be a positive int, got {value}", f"give {what}")
-    if job.seq_len % job.window:
-        raise UsageError("--window", f"seq_len {job.seq_len} must be a multiple of window {job.window}",
-                         "give a window that divides --seq_len")
-    if job.trailing > job.seq_len:
-        raise UsageError("--trailing", f"{job.trailing} positions exceed --seq_len {job.seq_len}",
-                         f"give at most {job.seq_len}")
     for length in job.retrieval_lengths:
         if length <= 0:
             raise UsageError("--retrieval_lengths", f"must be positive ints, got {length}",
@@ -537,6 +537,12 @@ def check_values(job: ContextEvalJob) -> None:
     if job.retrieval_lengths and not job.retrieval_depths:
         raise UsageError("--retrieval_depths", "empty, while --retrieval_lengths asks for retrieval",
                          "give depths in [0, 1], e.g. [0.5], or --retrieval_lengths [] for no retrieval")
+    if job.root is not None and not Path(job.root).is_dir():
+        problem = "is a file, not a folder" if Path(job.root).exists() else "does not exist"
+        raise UsageError("--root", f"{job.root} {problem}", "give the corpus folder, or leave it out for this "
+                         "Python's standard library")
+    if not job.patterns:
+        raise UsageError("--patterns", "empty: no file would be read", "give file globs, e.g. ['*.py']")
     if job.split not in SPLITS:
         raise UsageError("--split", f"{job.split!r} is not a split", "give train, val or test")
     for option, value in (("--val_fraction", job.val_fraction), ("--test_fraction", job.test_fraction)):

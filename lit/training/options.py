@@ -55,9 +55,31 @@ def value_rule(message: str) -> str | None:
 
 def one_line(error: Exception) -> str:
     """jsonargparse's refusal as one line: a refused value as :func:`value_rule` words it, else its first two
-    lines (``Parser key "steps":`` and why) joined."""
+    lines (``Parser key "steps":`` and why) as ``--steps: why``; a --config file that is not a mapping of the
+    options named as ``--config``."""
     message = str(error)
-    return value_rule(message) or " ".join(line.strip() for line in message.splitlines()[:2])
+    rule = value_rule(message)
+    if rule:
+        return rule
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    key = re.fullmatch(r'Parser key "([^"]+)":\s*(.*)', lines[0]) if lines else None
+    if key:
+        return f"--{key[1]}: {key[2] or (lines[1] if len(lines) > 1 else 'refused')}"
+    if lines and lines[0].startswith("Unexpected config"):
+        return f"--config: not a YAML mapping of this command's options ({lines[0]})"
+    return " ".join(lines[:2])
+
+
+def dataclass_parser(cls: type, *, prog: str, description: str = ""):
+    """The jsonargparse parser of ``cls``'s fields (one option each) and ``--config``, as :func:`parse_dataclass`
+    parses with it."""
+    from jsonargparse import ArgumentParser  # the train extra; flexmoba --version works without it
+
+    parser = ArgumentParser(prog=prog, description=description, exit_on_error=False, allow_abbrev=False,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", action="config", help="a YAML file of these options")
+    parser.add_class_arguments(cls, None, as_group=False)
+    return parser
 
 
 def nested_dataclass(cls: type, name: str) -> type | None:
@@ -133,12 +155,7 @@ def to_dataclass(cls: type[T], namespace) -> T:
 
 def parse_dataclass(cls: type[T], argv: list[str] | None, *, prog: str, description: str = "") -> T:
     """Parse ``argv`` into a ``cls`` instance; any error is one :class:`BadArguments` line."""
-    from jsonargparse import ArgumentParser  # the train extra; flexmoba --version works without it
-
-    parser = ArgumentParser(prog=prog, description=description, exit_on_error=False, allow_abbrev=False,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", action="config", help="a YAML file of these options")
-    parser.add_class_arguments(cls, None, as_group=False)
+    parser = dataclass_parser(cls, prog=prog, description=description)
     argv = sys.argv[1:] if argv is None else argv
     try:
         namespace = parser.parse_args(argv)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,8 @@ EVAL = ["--ckpt", "{run}/checkpoints/last.ckpt", "--out", "{empty}/eval", "--tok
 # (command line, what the one line must say). Paths: {run} holds a trained tiny run, {empty} is a folder
 # with nothing in it yet, {file} is a plain file, {junk} a file named .ckpt that is not one, {held} a
 # folder that holds output, {corpus} another corpus, {missing} a path that does not exist, {words} a
-# tokenizer.json of 320 tokens, {bytes} one of 256 (the tiny run's vocabulary).
+# tokenizer.json of 320 tokens, {bytes} one of 256 (the tiny run's vocabulary), {evals} context-eval folders
+# (write_evals), {gguf} a .gguf that is not one, {no_model_type} a folder whose config.json names no model.
 MISTAKES = [
     # fit / validate / test / predict
     (["fit", *tiny("{empty}/a", "--trainer.max_step", "3")], "did you mean --trainer.max_steps?"),
@@ -77,7 +79,19 @@ MISTAKES = [
     (["generate", "--ckpt", "{missing}"], "--ckpt: {missing} does not exist"),
     (["generate", "--ckpt", "{junk}"], "--ckpt: {junk} is not a checkpoint"),
     (["generate", "--ckpt", "{run}"], "--ckpt: {run} is a folder; give a checkpoint file in it"),
-    (["generate", "--ckpt", "{run}/checkpoints/last.ckpt", "--max_new_bytes", "-1"], "must be >= 0"),
+    (["generate", "--ckpt", "{run}/checkpoints/last.ckpt", "--max_new_bytes", "-1"],
+     "--max_new_bytes: must be >= 0, got -1"),
+    (["generate", "--ckpt", "{run}/checkpoints/last.ckpt", "--max_new_tokens", "-1"],
+     "--max_new_tokens: must be >= 0, got -1"),
+    (["generate", "--ckpt", "{run}/checkpoints/last.ckpt", "--temperature", "-0.5"],
+     "--temperature: must be >= 0, got -0.5; give 0 or more (0 is greedy)"),
+    (["generate", "--ckpt", "{run}/checkpoints/last.ckpt", "--sample_top_k", "0"],
+     "--sample_top_k: must be a positive int, got 0"),
+    (["generate", "--ckpt", "{run}/checkpoints/last.ckpt", "--seed", "-1"], "--seed: must be in [0, 2**63), got -1"),
+    (["generate", "--ckpt", "{run}/checkpoints/last.ckpt", "--dense_decode", "maybe"],
+     "--dense_decode: must be bool, got 'maybe'"),
+    (["generate", "--ckpt", "{run}/checkpoints/last.ckpt", "--device", "abacus"],
+     "--device: 'abacus' is not a device"),
     (["generate", "--ckpt", "{run}/checkpoints/last.ckpt", "--temp", "0.5"], "unrecognized arguments: --temp"),
     (["generate", "--ckpt", "{run}/checkpoints/last.ckpt", "--prompt", ""], "--prompt: must hold at least one"),
     (["generate", "--ckpt", "{run}/checkpoints/last.ckpt", "--max_new_tokens", "5"],
@@ -96,6 +110,16 @@ MISTAKES = [
     # import-hf, context-eval, gap-closed
     (["import-hf", "--source", "{missing}", "--out", "{empty}/i"], "--source: {missing}: no such file or folder"),
     (["import-hf", "--source", "smollm2", "--out", "{held}"], "--out: {held} already holds output"),
+    (["import-hf", "--source", "smollm2", "--out", "{file}"], "--out: {file} is a file, not a folder"),
+    (["import-hf", "--source", "{file}", "--out", "{empty}/i"], "--source: {file} is a file, not a .gguf"),
+    (["import-hf", "--source", "{empty}", "--out", "{empty}/i"],
+     "--source: {empty}: a folder without config.json is not a transformers model"),
+    (["import-hf", "--source", "{gguf}", "--out", "{empty}/i"],
+     "--source: {gguf} is not a model transformers reads ("),
+    (["import-hf", "--source", "{no_model_type}", "--out", "{empty}/i"],
+     "--source: {no_model_type} is not a model transformers reads ("),
+    (["import-hf", "--source", "smollm2", "--out", "{empty}/i", "--overwrite", "maybe"],
+     "--overwrite: must be bool, got 'maybe'"),
     (["context-eval", "--ckpt", "{missing}", "--out", "{empty}/e"], "--ckpt: {missing} does not exist"),
     (["context-eval", "--ckpt", "{run}/checkpoints/last.ckpt", "--out", "{empty}/e", "--arms", "[moba:8]"],
      "--arms: 'moba:8' is not an arm; give full, moba:CHUNK:TOPK"),
@@ -126,6 +150,19 @@ MISTAKES = [
         ("--test_fraction", "1.5", "--test_fraction: must be in [0, 1), got 1.5"),
         ("--test_fraction", "0.96", "--test_fraction: val_fraction 0.05 + test_fraction 0.96 must be below 1"),
         ("--threads", "0", "--threads: must be a positive int, got 0"),
+        ("--threads", "-1", "--threads: must be a positive int, got -1"),
+        ("--ckpt", "{missing}", "--ckpt: {missing} does not exist"),
+        ("--ckpt", "{run}", "--ckpt: {run} is a folder"),
+        ("--out", "{file}", "--out: {file} is a file, not a folder"),
+        ("--root", "{missing}", "--root: {missing} does not exist"),
+        ("--root", "{file}", "--root: {file} is a file, not a folder"),
+        ("--patterns", "[]", "--patterns: empty: no file would be read"),
+        ("--tokenizer", "{missing}", "--tokenizer: {missing} is not a file"),
+        ("--tokenizer", "{file}", "--tokenizer: {file} is not a tokenizer.json"),
+        ("--arms", "[]", "--arms: no arm given"),
+        ("--arms", "[moba:0:3]", "--arms: moba:0:3: MobaSpec.chunk_size"),
+        ("--device", "abacus", "--device: 'abacus' is not a device"),
+        ("--overwrite", "maybe", "--overwrite: must be bool, got 'maybe'"),
     ]),
     (["gap-closed", "--before", "{empty}", "--moba", "{empty}", "--control", "{empty}", "--out", "{empty}/g"],
      "--before: {empty} holds no context-eval records"),
@@ -142,6 +179,9 @@ MISTAKES = [
         ("--arm", "moba:256:3", "--before: {evals}/before holds no position records of arm 'moba:256:3'"),
         ("--overwrite", "maybe", "--overwrite: must be bool, got 'maybe'"),
     ]),
+    *(([command, "--config", "{missing}"], "--config: File does not exist: '{missing}'") for command in
+      ("context-eval", "gap-closed", "generate", "import-hf")),
+    (["gap-closed", "--config", "{file}"], "--config: not a YAML mapping of this command's options"),
     # retrieval
     (["retrieval", "evaluate", "--ckpt", "{missing}", "--out", "{empty}/r"], "--ckpt: {missing} does not exist"),
     (["retrieval", "evaluate", "--ckpt", "{run}/checkpoints/last.ckpt", "--out", "{held}"],
@@ -194,9 +234,13 @@ def places(tmp_path_factory) -> dict[str, str]:
     for i in range(16):
         (corpus / f"module{i}.py").write_text(f"# another corpus, file {i}\n" + "x = 1\n" * 60)
     write_evals(root / "evals")
+    (root / "junk.gguf").write_text("not a GGUF file\n")
+    (root / "no_model_type").mkdir()
+    (root / "no_model_type" / "config.json").write_text("{}\n")
     for name, size in (("words", 320), ("bytes", 256)):
         word_tokenizer(size).save(str(root / f"{name}.json"))
     return {"words": str(root / "words.json"), "bytes": str(root / "bytes.json"), "evals": str(root / "evals"),
+            "gguf": str(root / "junk.gguf"), "no_model_type": str(root / "no_model_type"),
             "run": str(root / "run"), "empty": str(root / "empty"), "file": str(root / "file"),
             "junk": str(root / "junk.ckpt"), "held": str(root / "held"), "corpus": str(corpus),
             "missing": str(root / "no-such-thing"), "cwd": str(root)}
@@ -258,6 +302,73 @@ def test_the_table_covers_every_subcommand():
 
     assert len(TABLE) >= 30
     assert {argv[0] for argv, _ in TABLE} >= set(SUBCOMMANDS)
+
+
+# The subcommands whose every option that takes a value has a row of its own (a number: a value of the right
+# type that is refused, zero, negative or out of range; a path or a choice: any refused value).
+EVERY_OPTION = ("context-eval", "gap-closed", "generate", "import-hf")
+
+
+def job_parser(command: str):
+    """The job dataclass of ``command``'s module and the parser ``flexmoba <command>`` parses it with."""
+    import importlib
+    from dataclasses import is_dataclass
+
+    from lit.cli.main import SUBCOMMANDS
+    from lit.training.options import dataclass_parser
+
+    module = importlib.import_module(SUBCOMMANDS[command][0])
+    jobs = [value for value in vars(module).values() if isinstance(value, type) and is_dataclass(value)
+            and value.__module__ == module.__name__ and value.__name__.endswith("Job")]
+    assert len(jobs) == 1, (command, jobs)
+    return jobs[0], dataclass_parser(jobs[0], prog=f"flexmoba {command}")
+
+
+def value_kind(job: type, option: str) -> str:
+    """``number``, ``choice`` (a bool, a Literal) or ``path or choice`` (any other str), by the field's type."""
+    import typing
+
+    if option == "--config":
+        return "path or choice"
+    hint = typing.get_type_hints(job)[option.removeprefix("--")]
+    while typing.get_origin(hint) in (typing.Union, list, types.UnionType):
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    if hint is bool or typing.get_origin(hint) is typing.Literal:
+        return "choice"
+    return "number" if hint in (int, float) else "path or choice"
+
+
+def is_number(value: str) -> bool:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        return False
+    return all(isinstance(v, int | float) and not isinstance(v, bool)
+               for v in (parsed if isinstance(parsed, list) else [parsed]))
+
+
+def rows_of(command: str, option: str) -> list[str]:
+    """The values the table's rows refuse for ``option`` of ``command`` (rows whose line starts with it)."""
+    values = []
+    for argv, expected in MISTAKES + WITHOUT_A_GPU:
+        if argv[0] == command and expected.startswith(f"{option}:") and option in argv:
+            values.append(argv[len(argv) - 1 - argv[::-1].index(option) + 1])
+    return values
+
+
+@pytest.mark.parametrize("command", EVERY_OPTION)
+def test_every_option_that_takes_a_number_a_path_or_a_choice_has_a_row(command):
+    job, parser = job_parser(command)
+    options = [action.option_strings[0] for action in parser._actions  # not --arms+, the list's append form
+               if action.option_strings and action.nargs != 0 and action.dest not in ("help", "print_config")]
+    assert {f"--{name}" for name in job.__dataclass_fields__} <= set(options)
+    missing = []
+    for option in options:
+        kind = value_kind(job, option)
+        values = rows_of(command, option)
+        if not values or (kind == "number" and not any(map(is_number, values))):
+            missing.append(f"{option} ({kind})")
+    assert not missing, f"flexmoba {command}: no row refusing a value of {', '.join(missing)}"
 
 
 @pytest.mark.slow
