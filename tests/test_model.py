@@ -266,3 +266,17 @@ def test_gemma_style_flop_accounting_counts_the_window():
 def test_bad_architecture_field_is_named(field, value):
     with pytest.raises(ValueError, match=f"ModelConfig.{field}"):
         gemma_style(**{field: value})
+
+
+def test_a_gemma_style_checkpoint_loads_back_the_same_model():
+    import dataclasses
+
+    from flexmoba.checkpoint import load_model
+
+    torch.manual_seed(0)
+    model = GPT(gemma_style()).eval()
+    checkpoint = {"config": dataclasses.asdict(model.config), "state_dict": model.state_dict()}
+    loaded = load_model(checkpoint)
+    assert loaded.config == model.config
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens()), model(tokens()))
