@@ -281,7 +281,7 @@ class OffsetRMSNorm(nn.RMSNorm):
     """
 
     def __init__(self, dim: int, eps: float | None, offset: float):
-        self.offset = float(offset)
+        self.offset = float(offset)  # before: nn.RMSNorm's __init__ calls reset_parameters
         super().__init__(dim, eps=eps)
 
     def reset_parameters(self) -> None:
