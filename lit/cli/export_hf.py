@@ -26,10 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import torch
-
-from flexmoba.checkpoint import checkpoint_tokenizer, load_model, read_checkpoint
-from flexmoba.integrations.export import to_llama
 from lit.cli.errors import fail
 from lit.training import checks
 from lit.training.options import parse_dataclass
@@ -74,6 +70,11 @@ def export_checkpoint(ckpt: str | Path | dict, out: str | Path, max_position_emb
     (the logits match the flexmoba model's in float32). ``tokenizer``: a ``tokenizer.json`` to write
     instead of the checkpoint's own (TokenizerMismatch if its ids exceed the model's vocabulary).
     """
+    import torch  # here, not at the top: ``flexmoba export-hf --help`` does not wait for it
+
+    from flexmoba.checkpoint import checkpoint_tokenizer, load_model, read_checkpoint
+    from flexmoba.integrations.export import to_llama
+
     checkpoint = read_checkpoint(ckpt) if not isinstance(ckpt, dict) else ckpt
     seq_len = checkpoint.get("hyper_parameters", {}).get("seq_len")
     model = load_model(checkpoint)

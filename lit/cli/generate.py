@@ -24,19 +24,21 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-
-from flexmoba.checkpoint import checkpoint_config, checkpoint_tokenizer, load_model
-from flexmoba.model import GPT
 from lit.training import checks
 from lit.training.errors import UsageError
 from lit.training.options import parse_dataclass
 
+# torch and flexmoba are imported where they are used, so that ``--help`` does not wait for them; models are
+# flexmoba.model.GPT, generators torch.Generator (unannotated: jsonargparse, reading GenerateJob, runs this
+# module's ``if TYPE_CHECKING:`` imports).
 
-def stream(model: GPT, prompt: list[int], max_new: int, temperature: float = 0.0, top_k: int | None = None,
-           generator: torch.Generator | None = None, dense_decode: bool = False) -> Iterator[int]:
+
+def stream(model, prompt: list[int], max_new: int, temperature: float = 0.0, top_k: int | None = None,
+           generator=None, dense_decode: bool = False) -> Iterator[int]:
     """Each of ``max_new`` tokens continuing ``prompt`` as soon as it is sampled
     (:meth:`flexmoba.model.GPT.generate_steps`)."""
+    import torch
+
     tokens = torch.tensor([prompt], dtype=torch.long, device=next(model.parameters()).device)  # [1, S]
     for token in model.generate_steps(tokens, max_new, temperature, top_k, generator, dense_decode=dense_decode):
         yield int(token[0, 0])
@@ -54,28 +56,30 @@ def past_trained_length(tokens: Iterator[int], prompt_length: int, trained: int 
         yield token
 
 
-@torch.no_grad()
-def generate(model: GPT, prompt: bytes, max_new_bytes: int, temperature: float = 0.0,
-             top_k: int | None = None, generator: torch.Generator | None = None,
-             dense_decode: bool = False) -> bytes:
+def generate(model, prompt: bytes, max_new_bytes: int, temperature: float = 0.0, top_k: int | None = None,
+             generator=None, dense_decode: bool = False) -> bytes:
     """``max_new_bytes`` bytes continuing ``prompt`` (greedy when ``temperature == 0``)."""
+    import torch
+
     if not prompt:
         raise ValueError("the prompt must hold at least one byte")
-    return bytes(stream(model, list(prompt), max_new_bytes, temperature, top_k, generator, dense_decode))
+    with torch.no_grad():
+        return bytes(stream(model, list(prompt), max_new_bytes, temperature, top_k, generator, dense_decode))
 
 
-@torch.no_grad()
-def generate_tokens(model: GPT, tokenizer_json: str, prompt: str, max_new_tokens: int, temperature: float = 0.0,
-                    top_k: int | None = None, generator: torch.Generator | None = None,
-                    dense_decode: bool = False) -> str:
+def generate_tokens(model, tokenizer_json: str, prompt: str, max_new_tokens: int, temperature: float = 0.0,
+                    top_k: int | None = None, generator=None, dense_decode: bool = False) -> str:
     """The text of ``max_new_tokens`` tokens continuing ``prompt`` (encoded with the model's tokenizer)."""
+    import torch
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_str(tokenizer_json)
     ids = tokenizer.encode(prompt).ids
     if not ids:
         raise ValueError("the prompt must hold at least one token")
-    return tokenizer.decode(list(stream(model, ids, max_new_tokens, temperature, top_k, generator, dense_decode)))
+    with torch.no_grad():
+        return tokenizer.decode(list(stream(model, ids, max_new_tokens, temperature, top_k, generator,
+                                            dense_decode)))
 
 
 def texts(tokenizer, ids: Iterator[int]) -> Iterator[str]:
@@ -97,6 +101,8 @@ def texts(tokenizer, ids: Iterator[int]) -> Iterator[str]:
 def trained_length(checkpoint: dict) -> int | None:
     """The sequence length the checkpoint's model was trained on (its ``seq_len``; an imported model's
     context, ``max_seq_len``), or None when it does not say."""
+    from flexmoba.checkpoint import checkpoint_config
+
     seq_len = checkpoint.get("hyper_parameters", {}).get("seq_len")
     return seq_len if isinstance(seq_len, int) else getattr(checkpoint_config(checkpoint), "max_seq_len", None)
 
@@ -163,6 +169,10 @@ def new_count(job: GenerateJob, reads_tokens: bool) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     job = parse_dataclass(GenerateJob, argv, prog="flexmoba generate", description=__doc__)
+    import torch
+
+    from flexmoba.checkpoint import checkpoint_tokenizer, load_model
+
     checkpoint = checks.checkpoint_file("--ckpt", job.ckpt)
     device = checks.device("--device", job.device)
     tokenizer_json = checkpoint_tokenizer(checkpoint)

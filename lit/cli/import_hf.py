@@ -19,8 +19,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from lit.training import checks
 from lit.training.errors import UsageError
 from lit.training.options import parse_dataclass
@@ -43,6 +41,8 @@ def imported_checkpoint(pretrained) -> dict:
 
 def write_import(pretrained, out: Path) -> Path:
     """``model.ckpt`` and ``tokenizer.json`` (when the source has one) in ``out``; returns the checkpoint."""
+    import torch  # here, not at the top: ``flexmoba import-hf --help`` does not wait for it
+
     out.mkdir(parents=True, exist_ok=True)
     if pretrained.tokenizer_json is not None:
         (out / TOKENIZER_NAME).write_text(pretrained.tokenizer_json)

@@ -31,7 +31,7 @@ SUBCOMMANDS = {
     "compare": ("lit.experiments.compare", "main job: MoBA and full attention on one budget, seeds, report"),
     "sweep": ("lit.experiments.sweep", "scaling-law sweep over model sizes (resumable)"),
     "scaling-report": ("lit.experiments.scaling_report", "rebuild a sweep's report: runs.csv, fits, figures"),
-    "retrieval": ("lit.experiments.retrieval", "needle-retrieval evaluation of a checkpoint"),
+    "retrieval": ("lit.experiments.retrieval_evaluate", "needle-retrieval evaluation of a checkpoint"),
     "generate": ("lit.cli.generate", "sample bytes from a checkpoint with MoBA KV-cache decoding"),
     "export-hf": ("lit.cli.export_hf", "write a Hugging Face LlamaForCausalLM folder from a checkpoint"),
     "import-hf": ("lit.cli.import_hf", "a pretrained Llama (HF folder, GGUF, smollm2) as a flexmoba checkpoint"),

@@ -32,18 +32,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
-import torch
-import torch.nn.functional as F
-
-from flexmoba.checkpoint import checkpoint_config, checkpoint_tokenizer, load_model
-from flexmoba.model import GPT, ModelConfig
 from lit.experiments.scaling_law import t_975
 from lit.training import checks
-from lit.training.data import DEFAULT_PATTERNS, default_root, list_files, select_files
 from lit.training.errors import UsageError
 from lit.training.options import parse_dataclass
-from lit.training.tokenizer import document_text
+
+# torch, numpy, flexmoba and the data modules are imported where they are used: ``--help`` (and the modules
+# that import Arm or ContextEvalJob from here) do not wait for them. Models are flexmoba.model.GPT, configs
+# ModelConfig, losses torch tensors; unannotated here, since jsonargparse, reading ContextEvalJob, runs this
+# module's ``if TYPE_CHECKING:`` imports.
 
 FULL = "full"
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -77,9 +74,10 @@ class Arm:
         hybrid = f", last {self.full_last} layers full" if self.full_last else ""
         return f"MoBA {self.chunk_size}/{self.top_k}{hybrid}"
 
-    def config(self, base: ModelConfig) -> ModelConfig:
-        """The checkpoint's model config ``base`` attending as this arm; :class:`UsageError` (``--arms``) when
-        that model cannot (more full layers than it has, a chunk its MoBA settings refuse)."""
+    def config(self, base):
+        """The checkpoint's :class:`flexmoba.model.ModelConfig` ``base`` attending as this arm;
+        :class:`UsageError` (``--arms``) when that model cannot (more full layers than it has, a chunk its MoBA
+        settings refuse)."""
         if self.full_last > base.n_layers:
             raise UsageError("--arms", f"{self.name} makes the last {self.full_last} layers full, the checkpoint's "
                              f"model has {base.n_layers} layers",
@@ -137,7 +135,7 @@ class ContextEvalJob:
     window: int = 1024
     trailing: int = 256
     root: str | None = None
-    patterns: list[str] = field(default_factory=lambda: list(DEFAULT_PATTERNS))
+    patterns: list[str] = field(default_factory=lambda: ["*.py"])  # lit.training.data.DEFAULT_PATTERNS
     split: str = "test"
     val_fraction: float = 0.05
     test_fraction: float = 0.2
@@ -158,6 +156,8 @@ class ContextEvalJob:
 
 
 def load_tokenizer_text(job: ContextEvalJob, checkpoint: dict) -> str:
+    from flexmoba.checkpoint import checkpoint_config, checkpoint_tokenizer
+
     if job.tokenizer is not None:
         if not Path(job.tokenizer).is_file():
             raise UsageError("--tokenizer", f"{job.tokenizer} is not a file", "give a tokenizer.json")
@@ -175,6 +175,8 @@ def load_tokenizer(job: ContextEvalJob, checkpoint: dict):
     model's: a tokenizer larger than the model's ``vocab_size`` gives ids past its embedding, a smaller one
     given by ``--tokenizer`` is another model's (the checkpoint's own may be smaller: a padded embedding)."""
     from tokenizers import Tokenizer
+
+    from flexmoba.checkpoint import checkpoint_config
 
     text = load_tokenizer_text(job, checkpoint)
     source = job.tokenizer or f"{job.ckpt}'s tokenizer"
@@ -194,6 +196,9 @@ def load_tokenizer(job: ContextEvalJob, checkpoint: dict):
 def held_out_documents(job: ContextEvalJob, tokenizer) -> list[tuple[str, list[int]]]:
     """``(name, the first seq_len + 1 token ids)`` of the first ``documents`` long enough documents of the
     split, in name order; UsageError when the split holds too few."""
+    from lit.training.data import default_root, list_files, select_files
+    from lit.training.tokenizer import document_text
+
     root = job.root or default_root()
     files = select_files(list_files(root, job.patterns), val_fraction=job.val_fraction,
                          test_fraction=job.test_fraction, min_doc_bytes=job.seq_len + 1, max_files=None,
@@ -227,29 +232,35 @@ def passkey_prompt(tokenizer, length: int, depth: float, key: int) -> tuple[list
 # -- scoring ----------------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def token_losses(model: GPT, ids: list[int]) -> torch.Tensor:
+def token_losses(model, ids: list[int]):
     """Cross-entropy of each next token, ``[len(ids) - 1]`` fp32 (on the host)."""
-    tokens = torch.tensor(ids, dtype=torch.long, device=model_device(model))[None]
-    logits = model(tokens[:, :-1])[0]
-    return F.cross_entropy(logits.float(), tokens[0, 1:], reduction="none").cpu()
+    import torch
+    import torch.nn.functional as F
+
+    with torch.no_grad():
+        tokens = torch.tensor(ids, dtype=torch.long, device=model_device(model))[None]
+        logits = model(tokens[:, :-1])[0]
+        return F.cross_entropy(logits.float(), tokens[0, 1:], reduction="none").cpu()
 
 
-def model_device(model: GPT) -> torch.device:
+def model_device(model):
     return next(model.parameters()).device
 
 
-@torch.no_grad()
-def answers(model: GPT, prompt: list[int], answer: list[int]) -> tuple[bool, float]:
+def answers(model, prompt: list[int], answer: list[int]) -> tuple[bool, float]:
     """Whether every answer token is the argmax after the prompt (teacher forced), and the answer's mean loss."""
-    ids = prompt + answer
-    tokens = torch.tensor(ids, dtype=torch.long, device=model_device(model))[None]
-    logits = model(tokens[:, :-1])[0, len(prompt) - 1 :].float()
-    target = torch.tensor(answer, device=logits.device)
-    return bool((logits.argmax(-1) == target).all()), float(F.cross_entropy(logits, target))
+    import torch
+    import torch.nn.functional as F
+
+    with torch.no_grad():
+        ids = prompt + answer
+        tokens = torch.tensor(ids, dtype=torch.long, device=model_device(model))[None]
+        logits = model(tokens[:, :-1])[0, len(prompt) - 1 :].float()
+        target = torch.tensor(answer, device=logits.device)
+        return bool((logits.argmax(-1) == target).all()), float(F.cross_entropy(logits, target))
 
 
-def window_means(losses: torch.Tensor, window: int, trailing: int) -> dict:
+def window_means(losses, window: int, trailing: int) -> dict:
     windows = losses[: losses.numel() // window * window].view(-1, window).mean(1)
     return {"windows": [round(float(w), 6) for w in windows], "trailing": round(float(losses[-trailing:].mean()), 6),
             "mean": round(float(losses.mean()), 6)}
@@ -446,6 +457,7 @@ def plot(summary: dict, arms: list[Arm], out: Path) -> None:
 
 def plot_retrieval(grids: list, path: Path) -> None:
     import matplotlib.pyplot as plt
+    import numpy as np
 
     fig, axes = plt.subplots(1, len(grids), figsize=(3.2 * len(grids), 3.2), squeeze=False)
     for axis, (arm, cells) in zip(axes[0], grids, strict=True):
@@ -475,6 +487,8 @@ def work_items(job: ContextEvalJob, arms: list[Arm], documents, tokenizer) -> li
         for arm in arms:
             items.append(({"kind": "position", "arm": arm.name, "document": name},
                           lambda model, ids=ids: window_means(token_losses(model, ids), job.window, job.trailing)))
+    import numpy as np
+
     rng = np.random.default_rng(0)
     for length in job.retrieval_lengths:
         for depth in job.retrieval_depths:
@@ -488,6 +502,10 @@ def work_items(job: ContextEvalJob, arms: list[Arm], documents, tokenizer) -> li
 
 
 def check_job(job: ContextEvalJob, checkpoint: dict) -> list[Arm]:
+    import torch
+
+    from flexmoba.checkpoint import checkpoint_config
+
     try:
         device = torch.device(job.device)
     except RuntimeError:
@@ -555,6 +573,10 @@ def check_values(job: ContextEvalJob) -> None:
 
 
 def run(job: ContextEvalJob) -> dict:
+    import torch
+
+    from flexmoba.checkpoint import checkpoint_config, load_model
+
     check_values(job)
     checkpoint = checks.checkpoint_file("--ckpt", job.ckpt)
     arms = check_job(job, checkpoint)
@@ -586,7 +608,7 @@ def run(job: ContextEvalJob) -> dict:
     return report(job, arms, read_records(records_path), out, notes)
 
 
-def dense_notes(arms: list[Arm], configs: dict[str, ModelConfig], seq_len: int) -> list[str]:
+def dense_notes(arms: list[Arm], configs: dict, seq_len: int) -> list[str]:
     """``note: <arm>: ...`` for each arm whose MoBA cannot be sparse at ``seq_len`` (every earlier key in a
     selected chunk: the arm's row is full attention's, a difference of +0.000;
     :func:`lit.training.progress.moba_note`)."""
@@ -601,6 +623,8 @@ def dense_notes(arms: list[Arm], configs: dict[str, ModelConfig], seq_len: int) 
 
 
 def machine_name(device: str = "cpu") -> str:
+    import torch
+
     if torch.device(device).type == "cuda":
         return f"{torch.cuda.get_device_name(torch.device(device))}, torch {torch.__version__}"
     try:

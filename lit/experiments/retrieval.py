@@ -19,16 +19,16 @@ must select the chunk holding the pair for that.
 
     flexmoba retrieval evaluate --ckpt runs/retrieval-moba/checkpoints/last.ckpt --out out/retrieval/moba
 """
+# The command's options and its main are lit.experiments.retrieval_evaluate's: it imports this module (torch,
+# Lightning) only once the job runs, so that ``flexmoba retrieval --help`` is immediate.
 
 from __future__ import annotations
 
 import inspect
 import json
 import string
-import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import lightning as L
 import numpy as np
@@ -36,10 +36,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from flexmoba.checkpoint import load_model, read_checkpoint
-from lit.training import checks
-from lit.training.errors import UsageError
 from lit.training.metrics import IGNORE_INDEX
-from lit.training.options import parse_dataclass
 
 KEY_BYTES = np.frombuffer(string.ascii_uppercase.encode(), dtype=np.uint8)
 VALUE_BYTES = np.frombuffer(string.digits.encode(), dtype=np.uint8)
@@ -359,66 +356,3 @@ def load_run(path: str | Path | dict, model_overrides: dict, data_overrides: dic
     checkpoint = read_checkpoint(path) if not isinstance(path, dict) else path
     data = RetrievalData(**{**retrieval_data_arguments(checkpoint), **data_overrides})
     return load_model(checkpoint, **model_overrides), data
-
-
-def given(**values) -> dict:
-    """The keyword arguments that are not None."""
-    return {k: v for k, v in values.items() if v is not None}
-
-
-@dataclass
-class EvaluateJob:
-    """What ``flexmoba retrieval evaluate`` measures.
-
-    Args:
-        ckpt: a retrieval run's checkpoint.
-        out: output folder (retrieval.md, retrieval.png, retrieval.json).
-        title: figure title (default: the layers' attention and routing).
-        lengths: override the grid's sequence lengths.
-        depths: override the grid's needle depths (0 = start, 1 = end).
-        samples: samples per cell.
-        attention: override every layer's attention (e.g. evaluate a MoBA-trained model fully).
-        moba_chunk_size: evaluate with another MoBA chunk size.
-        moba_top_k: evaluate with another MoBA top-k.
-        device: auto (CUDA when there is a GPU), cpu, cuda, ...
-        overwrite: replace what ``out`` holds (without it, a folder that holds files is refused).
-    """
-
-    ckpt: str
-    out: str
-    title: str | None = None
-    lengths: list[int] | None = None
-    depths: list[float] | None = None
-    samples: int | None = None
-    attention: Literal["moba", "full"] | None = None
-    moba_chunk_size: int | None = None
-    moba_top_k: int | None = None
-    device: str = "auto"
-    overwrite: bool = False
-
-
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] in (["-h"], ["--help"]):
-        argv = ["evaluate", "--help"]  # the only subcommand
-    if not argv or argv[0] != "evaluate":
-        raise UsageError("retrieval", "the subcommand is evaluate: flexmoba retrieval evaluate --ckpt PATH --out DIR")
-    job = parse_dataclass(EvaluateJob, argv[1:], prog="flexmoba retrieval evaluate", description=__doc__)
-    checkpoint = checks.checkpoint_file("--ckpt", job.ckpt)
-    checks.output_folder("--out", job.out, job.overwrite)
-    device = checks.device("--device", job.device)
-    model, data = load_run(
-        checkpoint,
-        given(moba=given(chunk_size=job.moba_chunk_size, top_k=job.moba_top_k) or None),
-        given(eval_lengths=job.lengths, eval_depths=job.depths, eval_samples=job.samples),
-    )
-    model.to(device)
-    if job.attention:
-        model.set_attention_override(job.attention)
-    cfg, kinds = model.config, model.layer_attention()
-    routing = "" if "moba" not in kinds else f", chunk {cfg.moba.chunk_size} top-{cfg.moba.top_k}"
-    title = job.title or f"layers {'/'.join(kinds)}{routing}"
-    rows = evaluate_retrieval(model, data)
-    out = write_report(rows, job.out, title)
-    print(markdown_table(rows, title))
-    print(f"wrote {out}/retrieval.md, retrieval.png, retrieval.json; task {asdict(data.task)}")

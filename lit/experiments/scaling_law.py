@@ -5,14 +5,19 @@
 is fitted by least squares in log-log space, ``log L = log a + b log C``, which is how
 such laws are usually read off a log-log plot. Uncertainty comes from the fit's
 covariance (standard errors of log a and b) and, optionally, a bootstrap over points.
+
+torch is imported by the functions that compute with it, so that a command's ``--help`` (which imports
+this module for :func:`t_975` and :func:`pflops_days`) does not wait for it.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 PFLOP_S_DAY = 1e15 * 24 * 3600  # FLOPs in one PFLOP/s-day
 # Student's t, two-sided 95% (the 0.975 quantile), by degrees of freedom.
@@ -47,6 +52,8 @@ class PowerLaw:
     b_interval: tuple[float, float] | None = None
 
     def __call__(self, compute):
+        import torch
+
         return self.a * torch.as_tensor(compute, dtype=torch.float64) ** self.b
 
     def b_t_interval(self) -> tuple[float, float] | None:
@@ -63,6 +70,8 @@ class PowerLaw:
 
 def _least_squares(log_c: torch.Tensor, log_l: torch.Tensor) -> tuple[float, float, float, float]:
     """(log a, b, se(log a), se(b)) of the line ``log_l = log a + b · log_c``."""
+    import torch
+
     X = torch.stack([torch.ones_like(log_c), log_c], dim=1)
     coef = torch.linalg.lstsq(X, log_l[:, None]).solution[:, 0]
     n = len(log_c)
@@ -82,6 +91,8 @@ def fit_power_law(compute, loss, bootstrap: int = 0, seed: int = 0) -> PowerLaw:
         loss: loss per point.
         bootstrap: resample the points this many times for 95% intervals of a and b.
     """
+    import torch
+
     c = torch.as_tensor(compute, dtype=torch.float64).flatten()
     y = torch.as_tensor(loss, dtype=torch.float64).flatten()
     if c.numel() != y.numel():
@@ -102,6 +113,8 @@ def fit_power_law(compute, loss, bootstrap: int = 0, seed: int = 0) -> PowerLaw:
 
 
 def _bootstrap_intervals(log_c, log_l, n_resamples: int, seed: int):
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     n = len(log_c)
     a_samples, b_samples = [], []

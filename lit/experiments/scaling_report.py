@@ -34,7 +34,7 @@ from pathlib import Path
 from lit.experiments.scaling_law import PowerLaw, crossover, fit_power_law, t_975
 from lit.training import metric_names
 from lit.training.errors import UsageError
-from lit.training.metrics import bin_label
+from lit.training.metric_names import bin_label
 from lit.training.options import parse_dataclass
 
 STAGE = "val"  # a sweep's result.json holds its runs' validation metrics

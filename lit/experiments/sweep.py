@@ -32,10 +32,8 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-import torch.distributed as dist
 import yaml
 
-from flexmoba.model import ModelConfig
 from lit.experiments.scaling_law import pflops_days
 from lit.training.errors import UsageError
 from lit.training.options import OneLineArgumentParser
@@ -213,7 +211,10 @@ class Run:
     def folder(self) -> Path:
         return Path(self.spec.out_dir) / self.name
 
-    def model_config(self) -> ModelConfig:
+    def model_config(self):
+        """The run's :class:`flexmoba.model.ModelConfig`."""
+        from flexmoba.model import ModelConfig  # here, not at the top: ``flexmoba sweep --help`` is quick
+
         size = {k: v for k, v in asdict(self.size).items() if k != "name"}  # n_kv_heads None: one per head
         return ModelConfig(**{**size, **self.kind.model})
 
@@ -363,6 +364,8 @@ class Processes:
         """``decide()`` on rank 0, its value (or its exception) on every rank."""
         if self.world == 1:
             return decide()
+        import torch.distributed as dist
+
         outcome = [None]
         if self.is_main:
             try:
@@ -377,6 +380,8 @@ class Processes:
 
     def barrier(self) -> None:
         if self.world > 1:
+            import torch.distributed as dist
+
             dist.barrier(group=_coordination_group())
 
 
@@ -386,6 +391,8 @@ _GROUP = None
 def _coordination_group():
     """A gloo group for the sweep's own messages (the default group may be NCCL, set up first here
     from torchrun's environment; Lightning then reuses it)."""
+    import torch.distributed as dist
+
     global _GROUP
     if _GROUP is None:
         if not dist.is_initialized():

@@ -80,3 +80,8 @@ def position_window(key: str) -> tuple[int, int] | None:
     """``(start, end)`` of a :func:`position_loss` key, or None for any other key."""
     match = POSITION_KEY.match(key)
     return (int(match[2]), int(match[3])) if match else None
+
+
+def bin_label(low: int, high: int | None) -> str:
+    """A distance bin's label: ``"128–256"``, or ``"512–∞"`` for the open last bin."""
+    return f"{low:,}–" + ("∞" if high is None else f"{high:,}")

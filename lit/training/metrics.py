@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from torchmetrics import Metric
 
+from lit.training.metric_names import bin_label  # noqa: F401  (here too: the reports import it from here)
+
 IGNORE_INDEX = -100
 
 
@@ -203,11 +205,6 @@ def repeat_span_losses(token_loss: torch.Tensor, targets: torch.Tensor, repeats:
 def distance_bin(edges: Sequence[int], distance: int) -> int:
     """Index of the bin ``[0, e_0), [e_0, e_1), ..., [e_last, inf)`` holding ``distance``."""
     return int(np.searchsorted(edges, distance, side="right"))
-
-
-def bin_label(low: int, high: int | None) -> str:
-    """``"128–256"``, or ``"512–∞"`` for the open last bin."""
-    return f"{low:,}–" + ("∞" if high is None else f"{high:,}")
 
 
 def scored_span_targets(spans: np.ndarray, valid: np.ndarray, skip: int):

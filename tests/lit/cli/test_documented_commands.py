@@ -115,7 +115,7 @@ def parse_job(name: str, args: list[str]) -> None:
     from lit.experiments.context_eval import ContextEvalJob
     from lit.experiments.continued_scaling_report import ReportJob as ContinuedReportJob
     from lit.experiments.gap_closed import GapClosedJob
-    from lit.experiments.retrieval import EvaluateJob
+    from lit.experiments.retrieval_evaluate import EvaluateJob
     from lit.experiments.scaling_report import ReportJob
     from lit.training.options import parse_dataclass
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from flexmoba import MobaSpec
+from flexmoba.checkpoint import load_model
 from flexmoba.model import ModelConfig
 from lit.cli import generate as gen
 from lit.training.module import LitLM
@@ -34,7 +35,7 @@ def test_cli_prints_prompt_plus_requested_bytes(tiny_checkpoint, capsysbinary, t
 
 
 def test_sampling_is_seeded_and_top_k_one_is_greedy(tiny_checkpoint):
-    model = gen.load_model(str(tiny_checkpoint))
+    model = load_model(str(tiny_checkpoint))
     greedy = gen.generate(model, b"import ", 12)
     assert len(greedy) == 12
     assert gen.generate(model, b"import ", 12, temperature=1.0, top_k=1) == greedy
@@ -94,7 +95,7 @@ def test_cli_says_once_when_it_generates_past_the_length_the_model_was_trained_o
 
 
 def test_streaming_gives_the_tokens_of_the_model_s_own_generate(tiny_checkpoint):
-    model = gen.load_model(str(tiny_checkpoint))
+    model = load_model(str(tiny_checkpoint))
     prompt = torch.tensor([list(b"import ")])
     for temperature, top_k, seed in [(0.0, None, 0), (0.9, 7, 3)]:
         expected = model.generate(prompt, 20, temperature, top_k, torch.Generator().manual_seed(seed))[0, 7:]

@@ -194,3 +194,9 @@ def test_an_arm_that_cannot_be_sparse_is_named_in_a_note_and_in_the_report(setup
     report = (tmp_path / "dense" / "results.md").read_text()
     assert "Note: moba:64:2: MoBA at seq_len 128 with chunk_size 64 × top_k 2 attends every earlier key" in report
     assert "moba:16:2:" not in report
+
+
+def test_the_default_patterns_are_the_data_modules():
+    from lit.training.data import DEFAULT_PATTERNS
+
+    assert context_eval.ContextEvalJob(ckpt="a", out="b").patterns == list(DEFAULT_PATTERNS)
