@@ -194,6 +194,23 @@ MISTAKES = [
     (["scaling-report", "--sweep_dir", "{missing}"], "--sweep_dir: no finished runs"),
     (["scaling-report", "--sweep", "{missing}"], "unrecognized arguments: --sweep"),
     (["scaling-report", "{empty}"], "--sweep_dir: {empty} is given without an option name; give --sweep_dir {empty}"),
+    # continued-scaling, continued-scaling-report, lm-eval
+    *((["continued-scaling", "--config", str(CONFIGS / "pretrained" / "smollm2_scaling.yaml"), "--out", "{empty}/s",
+        option, value], expected) for option, value, expected in [
+        ("--budgets", "[60, 30]", "--budgets: must be distinct positive step counts in ascending order"),
+        ("--budgets", "[1]", "--budgets: 1 steps cannot hold both a stable phase and a decay of 20%"),
+        ("--decay_fraction", "1.5", "--decay_fraction: must be between 0 and 1, got 1.5"),
+        ("--arms", "[full, moba:512:3:31]", "--arms: moba:512:3:31 does not fit the model"),
+        ("--arms", "[full, full]", "--arms: give distinct arms"),
+        ("--eval_window", "500", "--eval_window: 500 does not divide --eval_seq_len 8192"),
+        ("--eval_documents", "0", "--eval_documents: must be a positive int, got 0"),
+    ]),
+    (["continued-scaling", "--config", str(CONFIGS / "pretrained" / "smollm2_scaling.yaml"), "--out", "{empty}/s",
+      "--model.init_from", "null"], "--model.init_from: continued training needs the pretrained checkpoint"),
+    (["continued-scaling-report", "--study", "{empty}", "--out", "{empty}/r"],
+     "--study: {empty} holds no continued-scaling study (no study.json)"),
+    (["lm-eval", "--ckpt", "{missing}", "--out", "{empty}/lm-eval", "--limit", "many"],
+     "--limit: must be int, or null, got 'many'"),
     # bench, the command itself
     (["bench", "attention", "--repeats", "1"], "--repeats: must be >= 2, got 1"),
     (["bench", "attention", "--seq_len", "128"], "unrecognized arguments: --seq_len 128; did you mean --seq_lens?"),
