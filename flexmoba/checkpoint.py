@@ -24,7 +24,9 @@ __all__ = ["ARCHITECTURE_FIELDS", "architecture_mismatch", "checkpoint_config", 
 # What a model's function depends on besides its attention: weights trained under one of these do not
 # carry over to another value.
 ARCHITECTURE_FIELDS = ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "mlp_hidden", "tie_embeddings",
-                       "head_dim", "rope_base", "norm_eps", "max_seq_len")
+                       "head_dim", "rope_base", "norm_eps", "max_seq_len", "layer_types", "sliding_window",
+                       "rope_base_local", "qk_norm", "sandwich_norms", "mlp_activation", "embedding_scale",
+                       "query_scale", "norm_offset")
 
 
 def read_checkpoint(path: str | Path) -> dict:

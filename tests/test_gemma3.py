@@ -182,3 +182,14 @@ def test_gemma3_270m_config_is_read_from_the_file(gemma3_270m):
     assert (config.rope_base, config.rope_base_local, config.max_seq_len) == (1e6, 1e4, 32768)
     assert (config.mlp_hidden, config.query_scale, config.embedding_scale) == (2048, 256**-0.5, 640**0.5)
     assert packaged_file("gemma3-270m").name == "gemma-3-270m-q4_k_m.gguf"
+
+
+def test_a_gemma_style_model_is_not_exported_as_a_llama():
+    from flexmoba.integrations.export import to_llama
+    from flexmoba.model import GPT, ModelConfig
+
+    for fields in ({"qk_norm": True}, {"norm_offset": 1.0}, {"mlp_activation": "gelu_tanh"},
+                   {"embedding_scale": 8.0}, {"query_scale": 0.25}, {"sandwich_norms": True}):
+        with pytest.raises(ValueError, match=f"ModelConfig.{next(iter(fields))}="):
+            to_llama(GPT(ModelConfig(n_layers=1, d_model=32, n_heads=2, **fields)))
+    assert to_llama(GPT(ModelConfig(n_layers=1, d_model=32, n_heads=2, layer_types=["global"]))) is not None

@@ -89,13 +89,35 @@ def llama_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     return state
 
 
+# ModelConfig fields a Llama cannot hold, at the value a Llama has.
+LLAMA_DEFAULTS = {"layer_types": None, "sliding_window": None, "rope_base_local": None, "qk_norm": False,
+                  "sandwich_norms": False, "mlp_activation": "silu", "embedding_scale": None, "query_scale": None,
+                  "norm_offset": 0.0}
+
+
+def llama_problem(config: ModelConfig) -> str | None:
+    """The first setting of ``config`` a ``LlamaForCausalLM`` would compute otherwise, named, or None."""
+    for name, value in LLAMA_DEFAULTS.items():
+        actual = getattr(config, name)
+        if name == "layer_types" and actual is not None and set(actual) == {"global"}:
+            continue
+        if actual != value:
+            return f"ModelConfig.{name}={actual!r}: a Llama has none (it would compute other logits)"
+    return None
+
+
 def to_llama(model: GPT, max_position_embeddings: int | None = None):
-    """A ``LlamaForCausalLM`` (eval mode, on CPU, GPT's dtype) computing ``model``'s logits.
+    """A ``LlamaForCausalLM`` (eval mode, on CPU, GPT's dtype) computing ``model``'s logits;
+    ``ValueError`` naming the setting when the GPT is not a Llama (e.g. Gemma 3's fields).
 
     ``max_position_embeddings`` is informational for RoPE as both models compute it; set
     it to the training length or beyond.
     """
     from transformers import LlamaForCausalLM
+
+    problem = llama_problem(model.config)
+    if problem:
+        raise ValueError(f"only Llama-architecture models can be exported: {problem}")
 
     positions = max_position_embeddings or model.config.max_seq_len or 4096
     config = llama_config(model.config, model.layer_attention(), positions)

@@ -28,6 +28,7 @@ from typing import Literal
 
 from lit.cli.errors import fail
 from lit.training import checks
+from lit.training.errors import UsageError
 from lit.training.options import parse_dataclass
 
 DEFAULT_MAX_POSITIONS = 4096
@@ -73,11 +74,15 @@ def export_checkpoint(ckpt: str | Path | dict, out: str | Path, max_position_emb
     import torch  # here, not at the top: ``flexmoba export-hf --help`` does not wait for it
 
     from flexmoba.checkpoint import checkpoint_tokenizer, load_model, read_checkpoint
-    from flexmoba.integrations.export import to_llama
+    from flexmoba.integrations.export import llama_problem, to_llama
 
     checkpoint = read_checkpoint(ckpt) if not isinstance(ckpt, dict) else ckpt
     seq_len = checkpoint.get("hyper_parameters", {}).get("seq_len")
     model = load_model(checkpoint)
+    problem = llama_problem(model.config)
+    if problem:
+        raise UsageError("--ckpt", f"it holds a model export-hf cannot write as a Llama: {problem}",
+                         "export Llama-architecture checkpoints only")
     tokenizer_json = read_tokenizer(tokenizer) if tokenizer is not None else checkpoint_tokenizer(checkpoint)
     out = Path(out)
     if tokenizer_json is not None:

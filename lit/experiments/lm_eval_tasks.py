@@ -30,9 +30,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
-from flexmoba.checkpoint import checkpoint_config, checkpoint_tokenizer
 from lit.experiments.context_eval import Arm, machine_name
 from lit.training import checks
 from lit.training.errors import UsageError
@@ -118,6 +115,8 @@ def check_job(job: LmEvalJob, checkpoint: dict) -> Arm:
                              f"give some of {', '.join(OFFLINE_TASKS)}")
     if not job.lengths:
         raise UsageError("--lengths", "no length given", "give e.g. [4096, 8192]")
+    from flexmoba.checkpoint import checkpoint_config
+
     context = checkpoint_config(checkpoint).max_seq_len
     for length in job.lengths:
         if context is not None and length > context:
@@ -180,6 +179,7 @@ def check_lengths_fit(job: LmEvalJob, tokenizer) -> None:
 def write_tokenizer_folder(job: LmEvalJob, checkpoint: dict, folder: Path):
     """The checkpoint's tokenizer, saved as a transformers folder (what RULER's ``AutoTokenizer.from_pretrained``
     reads)."""
+    from flexmoba.checkpoint import checkpoint_tokenizer
     from lit.experiments.lm_eval_model import hf_tokenizer
 
     text = checkpoint_tokenizer(checkpoint)
@@ -193,6 +193,8 @@ def write_tokenizer_folder(job: LmEvalJob, checkpoint: dict, folder: Path):
             raise UsageError("--eos_token", f"{job.eos_token!r} is not a token of the checkpoint's tokenizer",
                              "give one of its special tokens, auto or none")
     tokenizer = hf_tokenizer(text, None if job.eos_token == "none" else job.eos_token)
+    from flexmoba.checkpoint import checkpoint_config
+
     vocab = checkpoint_config(checkpoint).vocab_size
     if len(tokenizer) > vocab:
         raise UsageError("--ckpt", f"its tokenizer has {len(tokenizer)} tokens, more than the model's {vocab}")
@@ -262,6 +264,8 @@ def run(job: LmEvalJob) -> tuple[dict, object]:
     device = checks.device("--device", job.device)
     out = checks.output_folder("--out", job.out, job.overwrite)
     if job.threads:
+        import torch
+
         torch.set_num_threads(job.threads)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer_folder = out / "tokenizer"

@@ -39,7 +39,6 @@ HELP_NEEDS_TORCH = {
        for name in LIGHTNING},
     "compare": "it takes every option of fit: its help is LightningCLI's parser of the Trainer and LitLM",
     "continued-scaling": "it takes every option of fit: its help is LightningCLI's parser of the Trainer and LitLM",
-    "lm-eval": "lit/experiments/lm_eval_tasks.py imports torch and flexmoba at the top",
 }
 
 
