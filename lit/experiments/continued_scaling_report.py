@@ -95,6 +95,8 @@ def copy_records(study: Path, out: Path, parts: list[dict]) -> None:
             destination = eval_records_path(target, p["arm"], p["budget"])
             destination.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source, destination)
+            if (source.parent / "machine.txt").is_file():  # a copy's copy
+                shutil.copyfile(source.parent / "machine.txt", destination.parent / "machine.txt")
             machine = source.parent / "results.md"
             if machine.is_file():
                 line = next((x for x in machine.read_text().splitlines() if x.startswith("Machine: ")), None)
