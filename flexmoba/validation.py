@@ -89,8 +89,12 @@ def check_qk(q, k) -> None:
         raise TypeError(f"k has dtype {k.dtype} but q has {q.dtype}")
     B, H, S, D = q.shape
     if k.shape[0] != B or k.shape[2] != S or k.shape[3] != D:
+        # [B, S, H, D] inputs (a model's layout before its transpose) agree on dim 1, the sequence, not on dim 2
+        transposed = k.shape[0] == B and k.shape[1] == H and k.shape[3] == D
+        hint = ("; q and k look like [B, S, H, D]: pass q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)"
+                if transposed else "")
         raise ValueError(
-            f"k must be [B, H_kv, S, D] = [{B}, H_kv, {S}, {D}] to match q, got {tuple(k.shape)}"
+            f"k must be [B, H_kv, S, D] = [{B}, H_kv, {S}, {D}] to match q, got {tuple(k.shape)}{hint}"
         )
     if S < 1:
         raise ValueError("q must hold at least one position (S >= 1)")

@@ -94,3 +94,13 @@ def test_varlen_rejects_document_ids_and_wrong_rank():
         moba_attention_varlen(T, T, T, cu, document_ids=None, **OK)
     with pytest.raises(ValueError, match=r"q must be a \[T, heads, head_dim\]"):
         moba_attention_varlen(T[None], T, T, cu, **OK)
+
+
+def test_tensors_in_the_sequence_first_layout_get_the_transpose_named():
+    q, k = torch.randn(1, 64, 4, 8), torch.randn(1, 64, 2, 8)  # [B, S, H, D], GQA
+    with pytest.raises(ValueError, match=r"look like \[B, S, H, D\]: pass q.transpose\(1, 2\)"):
+        moba_attention(q, k, k, chunk_size=16, top_k=2)
+    with pytest.raises(ValueError) as raised:  # a real mismatch gets no such hint
+        moba_attention(torch.randn(1, 4, 64, 8), torch.randn(1, 2, 32, 8), torch.randn(1, 2, 32, 8),
+                                chunk_size=16, top_k=2)
+    assert "look like" not in str(raised.value)

@@ -153,6 +153,9 @@ def config_problem(config: Namespace) -> str | None:
     seq_len = data.get("init_args", data).get("seq_len")
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
         return f"--data.seq_len: must be a positive int, got {seq_len!r}"
+    batch_size = data.get("init_args", data).get("batch_size", 1)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+        return f"--data.batch_size: must be a positive int, got {batch_size!r}"
     model = as_dict(config.get("model"))
     model = model.get("init_args", model)
     fields = model.get("config")
@@ -277,6 +280,9 @@ def trainer_problem(trainer: dict) -> str | None:
         checks.accelerator("--trainer.accelerator", trainer.get("accelerator"))
     except UsageError as error:
         return str(error)
+    steps = trainer.get("max_steps")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or (steps < 1 and steps != -1)):
+        return f"--trainer.max_steps: must be a positive int (or -1: no limit), got {steps!r}"
     root = trainer.get("default_root_dir")
     if root and os.path.isfile(root):
         return f"--trainer.default_root_dir: {root} is a file, not a folder; give a folder for the run"
