@@ -335,6 +335,16 @@ def arm_color(arms: list[str], arm: str) -> str:
     return MOBA_COLORS[[a for a in arms if a != FULL].index(arm) % len(MOBA_COLORS)]
 
 
+def points_with_intervals(axis, rows: list[dict], key: str, w: int, color: str, name: str) -> list[float]:
+    """``rows``' means of ``row[key][w]`` against their compute, with their 95% intervals; the compute."""
+    x = [r["compute_pflops_days"] for r in rows]
+    y = [r[key][w]["mean"] for r in rows]
+    err = [[m - (r[key][w]["low"] or m) for r, m in zip(rows, y, strict=True)],
+           [(r[key][w]["high"] or m) - m for r, m in zip(rows, y, strict=True)]]
+    axis.errorbar(x, y, yerr=err, fmt="o", color=color, capsize=3, label=name)
+    return x
+
+
 def plot_loss(settings: dict, summary: dict, path: Path) -> None:
     from matplotlib.figure import Figure
 
@@ -348,11 +358,7 @@ def plot_loss(settings: dict, summary: dict, path: Path) -> None:
             trained = [r for r in rows if r["budget"] > 0]
             color = arm_color(arms, arm)
             if trained:
-                x = [r["compute_pflops_days"] for r in trained]
-                y = [r["loss"][w]["mean"] for r in trained]
-                err = [[m - (r["loss"][w]["low"] or m) for r, m in zip(trained, y, strict=True)],
-                       [(r["loss"][w]["high"] or m) - m for r, m in zip(trained, y, strict=True)]]
-                axis.errorbar(x, y, yerr=err, fmt="o", color=color, capsize=3, label=label(arm))
+                x = points_with_intervals(axis, trained, "loss", w, color, label(arm))
             start = [r for r in rows if r["budget"] == 0]
             if start:
                 axis.axhline(start[0]["loss"][w]["mean"], color=color, linestyle=":", linewidth=1)
@@ -383,11 +389,7 @@ def plot_gap(settings: dict, summary: dict, path: Path) -> None:
             if not rows:
                 continue
             color = arm_color(arms, arm)
-            x = [r["compute_pflops_days"] for r in rows]
-            y = [r["minus_full"][w]["mean"] for r in rows]
-            err = [[m - (r["minus_full"][w]["low"] or m) for r, m in zip(rows, y, strict=True)],
-                   [(r["minus_full"][w]["high"] or m) - m for r, m in zip(rows, y, strict=True)]]
-            axis.errorbar(x, y, yerr=err, fmt="o", color=color, capsize=3, label=label(arm))
+            x = points_with_intervals(axis, rows, "minus_full", w, color, label(arm))
             fit = gaps.get((arm, labels[w]))
             if fit:
                 grid = np.geomspace(min(x) / 2, max(x) * 30, 50)
