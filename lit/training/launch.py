@@ -299,6 +299,22 @@ def trainer_problem(trainer: dict) -> str | None:
     return None
 
 
+def backend_problem(config: Namespace, subcommand: str | None) -> str | None:
+    """A MoBA backend that cannot train where the fit would run (flex has no CPU backward), named, or None.
+    ``subcommand`` None is a job that trains (compare, continued-scaling)."""
+    if subcommand not in (None, "fit") or not as_dict(config.get("model")).get("config"):
+        return None
+    model = parsed_model_config(config)
+    accelerator = as_dict(config.get("trainer")).get("accelerator")
+    import torch
+
+    on_cpu = accelerator == "cpu" or (accelerator in (None, "auto") and not torch.cuda.is_available())
+    if on_cpu and model.moba.backend == "flex" and "moba" in model.layer_attention():
+        return ("--model.config.moba.backend: flex cannot train on CPU (FlexAttention has no CPU backward); "
+                "give auto or gather, or train on a GPU")
+    return None
+
+
 def resolve_last(config: Namespace, subcommand: str) -> str:
     """``--ckpt_path last``: the newest intact checkpoint of the run folder. A truncated one newer than it is
     skipped; when a fit resumes, a skipped ``last.ckpt`` is set aside so the fit writes a new one there."""
@@ -418,7 +434,8 @@ class FlexMobaCLI(LightningCLI):
         config = self.config[subcommand] if subcommand else self.config
         self.complete(config)
         problem = (follow_data_vocabulary(config) or config_problem(config) or context_problem(config)
-                   or init_from_problem(config) or trainer_problem(as_dict(config.get("trainer"))))
+                   or init_from_problem(config) or trainer_problem(as_dict(config.get("trainer")))
+                   or backend_problem(config, subcommand))
         if problem:
             parser.error(problem)
         try:

@@ -49,6 +49,8 @@ MISTAKES = [
      "--model.config.moba.granularity: granularity=64 must divide chunk_size=100"),
     (["fit", *tiny("{empty}/a", "--data.seq_len", "0")], "--data.seq_len: must be a positive int"),
     (["fit", *tiny("{empty}/a", "--data.batch_size", "0")], "--data.batch_size: must be a positive int, got 0"),
+    (["fit", *tiny("{empty}/a", "--model.config.moba.backend", "flex", "--trainer.accelerator", "cpu")],
+     "--model.config.moba.backend: flex cannot train on CPU (FlexAttention has no CPU backward)"),
     (["fit", *tiny("{empty}/a", "--trainer.max_steps", "-5")],
      "--trainer.max_steps: must be a positive int (or -1: no limit), got -5"),
     (["fit", *tiny("{file}")], "--trainer.default_root_dir: {file} is a file, not a folder"),
