@@ -24,9 +24,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("flexmoba", "lit")
-OPTIONAL = {"transformers"}  # the hf extra: modules needing it are skipped where it is missing
+OPTIONAL = {"transformers", "lm_eval"}  # the hf and eval extras: modules needing them are skipped where missing
 DEPENDENCIES = ("numpy", "torch", "lightning", "torchmetrics", "jsonargparse", "yaml", "matplotlib", "tensorboard",
-                "rich", "transformers")
+                "rich", "transformers", "lm_eval.models.utils")  # lm-eval's models import urllib3: its filters
 START_BACKEND = "pdf"
 
 
