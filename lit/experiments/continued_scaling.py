@@ -211,6 +211,16 @@ def run_part(study: dict, part: dict) -> None:
     else:
         ckpt = study["model"]["init_from"] if budget == 0 else trained_checkpoint(folder / f"b{budget}", budget)
         evaluate(study, arm, ckpt, folder / f"b{budget}" / "eval", part["retrieval"])
+        if budget:
+            keep_only(Path(ckpt))
+
+
+def keep_only(ckpt: Path) -> None:
+    """Delete the other checkpoints of a scored branch (its start and interval copies): 1.6 GB each at
+    SmolLM2's size, three per branch otherwise."""
+    for path in ckpt.parent.glob("*.ckpt"):
+        if path != ckpt:
+            path.unlink()
 
 
 def trained_checkpoint(run: Path, budget: int) -> str:

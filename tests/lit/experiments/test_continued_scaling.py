@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("lightning")
 
-from conftest import flexmoba_command  # noqa: E402
+from conftest import flexmoba_command, read_metrics  # noqa: E402
 
 from flexmoba.checkpoint import read_checkpoint  # noqa: E402
 from lit.cli import import_hf  # noqa: E402
@@ -37,7 +37,7 @@ def setup(tmp_path_factory) -> dict:
     for i in range(24):
         (corpus / f"doc{i:02d}.txt").write_text(" ".join(f"w{(i * 13 + j * j) % VOCAB}" for j in range(300)))
     config = {
-        "trainer": {"enable_progress_bar": False},
+        "trainer": {"enable_progress_bar": False, "log_every_n_steps": 1},
         "checkpoint": {"every_n_train_steps": 3},  # divides no part's end but one: each still ends on a checkpoint
         "model": {"init_from": str(checkpoint), "lr": LR, "min_lr_ratio": MIN_LR_RATIO, "warmup_steps": 1,
                   "position_window": 32, "trailing_window": 32, "config": {
@@ -101,8 +101,9 @@ def test_every_budget_is_an_annealed_branch_of_the_trunk_and_is_scored(finished)
             last = finished / arm / f"b{budget}" / "checkpoints" / "last.ckpt"
             assert read_checkpoint(last)["global_step"] == budget
             assert lr_of(last) == pytest.approx(LR * MIN_LR_RATIO)  # decayed to the end
-            start = read_checkpoint(finished / arm / f"b{budget}" / "checkpoints" / "branch_start.ckpt")
-            assert start["global_step"] == budget // 2  # the trunk at the branch point
+            assert [p.name for p in last.parent.glob("*.ckpt")] == ["last.ckpt"]  # scored: the rest deleted
+            trained = [int(r["step"]) for r in read_metrics(finished / arm / f"b{budget}") if r.get("train/loss")]
+            assert min(trained) == budget // 2  # the branch went on from the trunk at the branch point
     records = eval_records(finished)
     documents = {key[3] for key in records if key[2] == "position"}
     assert len(documents) == 2  # the same held-out documents for every arm and budget
