@@ -345,12 +345,27 @@ def points_with_intervals(axis, rows: list[dict], key: str, w: int, color: str, 
     return x
 
 
-def plot_loss(settings: dict, summary: dict, path: Path) -> None:
+def window_panels():
+    """A figure of 2 x 2 panels, one per report window: ``(figure, [4] axes)``."""
     from matplotlib.figure import Figure
 
-    arms, labels = settings["arms"], summary["windows"]
     fig = Figure(figsize=(10, 7.5))
-    axes = fig.subplots(2, 2).flatten()
+    return fig, fig.subplots(2, 2).flatten()
+
+
+def save_panels(fig, axes, used: int, legend_title: str, path: Path) -> None:
+    """The first panel's legend (when it drew anything), the unused panels hidden, the figure written."""
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=8, title=legend_title, title_fontsize=7)
+    for axis in axes[used:]:
+        axis.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def plot_loss(settings: dict, summary: dict, path: Path) -> None:
+    arms, labels = settings["arms"], summary["windows"]
+    fig, axes = window_panels()
     laws = {(p["arm"], p["window"]): p for p in summary["projections"]}
     for w, axis in enumerate(axes[: len(labels)]):
         for arm in arms:
@@ -368,20 +383,12 @@ def plot_loss(settings: dict, summary: dict, path: Path) -> None:
                 axis.plot(grid, law["a"] * grid ** law["b"], "--", color=color, linewidth=1)
         axis.set(xscale="log", yscale="log", title=labels[w], xlabel="continued-training compute (PFLOP/s-days)",
                  ylabel="LM loss (nats/token)")
-    if axes[0].get_legend_handles_labels()[0]:
-        axes[0].legend(fontsize=8, title="dotted: training-free; dashed: fit", title_fontsize=7)
-    for axis in axes[len(labels):]:
-        axis.set_visible(False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_panels(fig, axes, len(labels), "dotted: training-free; dashed: fit", path)
 
 
 def plot_gap(settings: dict, summary: dict, path: Path) -> None:
-    from matplotlib.figure import Figure
-
     arms, labels = settings["arms"], summary["windows"]
-    fig = Figure(figsize=(10, 7.5))
-    axes = fig.subplots(2, 2).flatten()
+    fig, axes = window_panels()
     gaps = {(p["arm"], p["window"]): p.get("gap_fit") for p in summary["projections"]}
     for w, axis in enumerate(axes[: len(labels)]):
         for arm in (a for a in arms if a != FULL):
@@ -397,12 +404,7 @@ def plot_gap(settings: dict, summary: dict, path: Path) -> None:
         axis.axhline(0, color="black", linewidth=0.5)
         axis.set(xscale="log", title=labels[w], xlabel="continued-training compute (PFLOP/s-days)",
                  ylabel="minus full attention (nats/token)")
-    if axes[0].get_legend_handles_labels()[0]:
-        axes[0].legend(fontsize=8, title="dashed: gap fit g C^-γ", title_fontsize=7)
-    for axis in axes[len(labels):]:
-        axis.set_visible(False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_panels(fig, axes, len(labels), "dashed: gap fit g C^-γ", path)
 
 
 def machines_of(records_dir: Path, parts: list[dict]) -> list[str]:
