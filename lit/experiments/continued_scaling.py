@@ -25,6 +25,7 @@ and evaluation times measured so far); an ``--out`` holding a study with other s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -258,13 +259,23 @@ def remaining_estimate(parts: list[dict], records: list[dict]) -> str:
 # -- records ----------------------------------------------------------------------------------
 
 
+def with_new_model_fields(settings: dict) -> dict:
+    """Recorded settings with the :class:`ModelConfig` fields added since they were recorded, at their
+    defaults (which build the model the study trained), so that a newer flexmoba resumes the study."""
+    config = settings.get("model", {}).get("config")
+    if isinstance(config, dict):
+        defaults = json.loads(json.dumps(dataclasses.asdict(ModelConfig())))
+        config.update({k: v for k, v in defaults.items() if k not in config})
+    return settings
+
+
 def claim(study: dict) -> Path:
     """``<out>/study.jsonl``, after recording the settings in ``<out>/study.json`` or checking them."""
     out = Path(study["out"])
     settings = out / "study.json"
     recorded = json.loads(json.dumps({k: v for k, v in study.items() if k not in NOT_SETTINGS}))
     if settings.is_file():
-        if json.loads(settings.read_text()) != recorded:
+        if with_new_model_fields(json.loads(settings.read_text())) != recorded:
             raise UsageError("--out", f"{out} holds a continued-scaling study with other settings",
                              "give another --out, or the same arguments to resume it")
     else:

@@ -157,6 +157,27 @@ def test_the_study_s_mistakes_are_one_line_before_anything_runs(setup, tmp_path)
     assert not (tmp_path / "x").exists()
 
 
+def test_a_study_recorded_before_a_model_field_existed_resumes_and_other_settings_are_refused(setup, tmp_path):
+    study = continued_scaling.parse(study_args(setup, tmp_path / "s"))
+    continued_scaling.claim(study)
+    settings = tmp_path / "s" / "study.json"
+    older = json.loads(settings.read_text())
+    for field in ("layer_types", "sliding_window", "qk_norm", "mlp_activation"):  # newer than the study
+        del older["model"]["config"][field]
+    settings.write_text(json.dumps(older))
+    assert continued_scaling.claim(study) == tmp_path / "s" / "study.jsonl"
+    older["model"]["config"]["qk_norm"] = True  # a model the defaults would not build
+    settings.write_text(json.dumps(older))
+    with pytest.raises(UsageError, match="other settings"):
+        continued_scaling.claim(study)
+    changed = continued_scaling.parse(study_args(setup, tmp_path / "s", "--decay_fraction", "0.25"))
+    settings.write_text(json.dumps(continued_scaling.with_new_model_fields(
+        {**older, "model": {**older["model"], "config": {**older["model"]["config"], "qk_norm": False}}})))
+    continued_scaling.claim(study)  # the recorded settings again
+    with pytest.raises(UsageError, match="other settings"):
+        continued_scaling.claim(changed)
+
+
 def test_training_compute_counts_moba_s_sparsity_and_the_full_layers():
     study = {"model": {"config": {"n_layers": 4, "d_model": 64, "n_heads": 2, "n_kv_heads": 1, "head_dim": 32,
                                   "moba": {"chunk_size": 64, "top_k": 2}}},
