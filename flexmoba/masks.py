@@ -2,7 +2,8 @@
 
 Query t attends key s iff they share a document, ``s <= t``, and t selected the chunk
 holding s. :func:`moba_mask_mod` states it for FlexAttention (one element at a time);
-:func:`dense_moba_mask` materialises it as ``[B, H, S, S]`` for SDPA and the reference.
+:func:`dense_moba_mask` materialises it as ``[B, H, S, S]`` for SDPA and the reference, and
+:func:`dense_moba_rows` for some queries at any place of the keys.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import torch
 
 from flexmoba.gate import Selection
 
-__all__ = ["check_flex_index", "dense_moba_mask", "largest_offset", "moba_mask_mod", "selected_chunk_ids"]
+__all__ = ["check_flex_index", "dense_moba_mask", "dense_moba_rows", "largest_offset", "moba_mask_mod",
+           "selected_chunk_ids"]
 
 # Some FlexAttention versions inline a mask_mod's loads from captured tensors with int32
 # index arithmetic: an element past offset 2**31 - 1 is then read from the wrong place and
@@ -92,3 +94,21 @@ def dense_moba_mask(selection: Selection) -> torch.Tensor:
     same_document = layout.doc_start[:, :, None] == layout.doc_start[:, None, :]  # [B, S, S]
     key_chunk = layout.local_chunk[:, None, None, :].expand(B, H, S, S)
     return selection.chunks.gather(-1, key_chunk) & (causal & same_document)[:, None]
+
+
+def dense_moba_rows(selection: Selection, positions: torch.Tensor, key_len: int,
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, H, R, key_len]`` bool: key s is attended by query ``rows[i]`` of the selection (all of them
+    when ``rows`` is None), at absolute position ``t = positions[i]``, iff s lies in t's document up to t
+    and in a chunk t selected."""
+    layout = selection.layout
+    chunks, doc_start = selection.chunks, layout.doc_start
+    if rows is not None:
+        chunks, doc_start = chunks[:, :, rows], doc_start[:, rows]
+    B, H, R, n_chunks = chunks.shape
+    s = torch.arange(key_len, device=doc_start.device)
+    offset = s[None, None, :] - doc_start[:, :, None]  # [B, R, T] from the query's document start
+    visible = (offset >= 0) & (s[None, None, :] <= positions[None, :, None])
+    chunk = (offset.clamp(min=0) // layout.chunk_size).clamp(max=n_chunks - 1)
+    selected = chunks.gather(-1, chunk[:, None].expand(B, H, R, key_len))
+    return selected & visible[:, None]

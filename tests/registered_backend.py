@@ -45,8 +45,8 @@ def decode(step):
     return _attend_where(step.q, step.keys, step.values, (own[:, None] | past.any(-1)) & visible, step.scale)
 
 
-def register(context_parallel: bool = True) -> str:
-    register_backend(NAME, attend, decode=decode, context_parallel=context_parallel, replace=True)
+def register(context_parallel: bool = True, debug: bool = False) -> str:
+    register_backend(NAME, attend, decode=decode, context_parallel=context_parallel, replace=True, debug=debug)
     return NAME
 
 

@@ -7,6 +7,7 @@ import pytest
 import registered_backend
 import torch
 from hypothesis import given
+from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import flex_attention
 
 from flexmoba import (
@@ -20,7 +21,8 @@ from flexmoba import (
 from flexmoba import backends as backend_table
 from flexmoba.backends import registry, resolve_backend, resolve_decode_backend
 from flexmoba.decode_kernels import DecodeStep
-from flexmoba.gate import Selection
+from flexmoba.gate import Selection, select_local_chunks
+from flexmoba.spec import MobaSpec
 from flexmoba.tuning import tuning_for
 
 import oracle
@@ -117,6 +119,96 @@ def test_auto_is_reserved_and_unknown_names_are_refused():
     q, k, v = random_inputs(0, 1, 1, 1, 8, 4)
     with pytest.raises(ValueError, match="backend must be one of"):
         moba_attention(q, k, v, chunk_size=4, top_k=1, backend="nope")
+
+
+@pytest.mark.parametrize("wrong, problem", [
+    (lambda q, v: q[..., :1], r"shape \[1, 2, 20, 1\], expected \[B, H, S, Dv\] = \[1, 2, 20, 4\]"),
+    (lambda q, v: q.double(), "dtype torch.float64, expected q's torch.float32"),
+    (lambda q, v: q.to("meta"), "device meta, expected q's cpu"),
+    (lambda q, v: q.tolist(), "list, not a tensor"),
+])
+def test_a_registered_backend_s_output_of_another_shape_dtype_or_device_is_refused(scratch_backend, wrong, problem):
+    register_backend(scratch_backend, lambda q, k, v, selection, scale, query_start=0: wrong(q, v))
+    q, k, v = random_inputs(0, 1, 2, 1, 20, 4)
+    with pytest.raises(RuntimeError, match=f"^backend '{scratch_backend}' \\(attention\\) returned {problem}"):
+        moba_attention(q, k, v, chunk_size=4, top_k=2, backend=scratch_backend)
+
+
+def test_debug_mode_compares_a_registered_backend_with_the_dense_math(scratch_backend):
+    q, k, v = random_inputs(1, 2, 4, 2, 50, 8)
+    documents = torch.tensor([[0] * 20 + [1] * 30, [0] * 50])
+    expected = oracle.attention(q, k, v, chunk_size=6, top_k=3, document_ids=documents)
+
+    def causal_only(q, k, v, selection, scale, *, query_start=0):  # a plausible kernel bug: the gate forgotten
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+
+    def all_nan(q, k, v, selection, scale, *, query_start=0):
+        return torch.full_like(q, float("nan"))
+
+    for kernel, row in ((causal_only, "query 20"), (all_nan, "query 0")):
+        register_backend(scratch_backend, kernel, replace=True)  # checked for shape only: returned as it is
+        assert moba_attention(q, k, v, chunk_size=6, top_k=3, document_ids=documents,
+                              backend=scratch_backend).shape == q.shape
+        register_backend(scratch_backend, kernel, replace=True, debug=True)
+        with pytest.raises(RuntimeError, match=f"^backend '{scratch_backend}' differs from MoBA's dense math "
+                                               f"\\(debug check\\) at batch row 0, head 0, {row}: "):
+            moba_attention(q, k, v, chunk_size=6, top_k=3, document_ids=documents, backend=scratch_backend)
+    register_backend(scratch_backend, registry.get_backend("gather"), replace=True, debug=True)
+    got = moba_attention(q, k, v, chunk_size=6, top_k=3, document_ids=documents, backend=scratch_backend)
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@given(problem=problems())
+def test_debug_mode_passes_a_correct_kernel_on_every_problem(problem):
+    name = registered_backend.register(debug=True)
+    try:
+        got = moba_attention(problem.q, problem.k, problem.v, backend=name, **problem.kwargs)
+    finally:
+        registered_backend.unregister()
+    expected = oracle.attention(problem.q, problem.k, problem.v, **problem.kwargs)
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def off_in_the_last_row(q, k, v, selection, scale, *, query_start=0):
+    out = registered_backend.attend(q, k, v, selection, scale, query_start=query_start)
+    out[:, :, -1] += 1.0  # the last query row is always among the sampled ones
+    return out
+
+
+@given(problem=problems(), data=st.data())
+def test_debug_mode_checks_queries_at_an_offset_as_context_parallelism_passes_them(problem, data):
+    problem = problem.but(granularity="token")  # context parallelism's gate takes no tiles
+    S = problem.q.shape[2]
+    start = data.draw(st.integers(0, S - 1), label="query_start")
+    q = problem.q[:, :, start:]
+    selection = select_local_chunks(q, problem.k, MobaSpec(problem.chunk_size, problem.top_k), start,
+                                    problem.document_ids)
+    name = registered_backend.register(debug=True)
+    try:
+        got = registry.get_backend(name)(q, problem.k, problem.v, selection, 0.5, query_start=start)
+        register_backend(name, off_in_the_last_row, replace=True, debug=True)
+        with pytest.raises(RuntimeError, match=f"query {S - start - 1}: "):
+            registry.get_backend(name)(q, problem.k, problem.v, selection, 0.5, query_start=start)
+    finally:
+        registered_backend.unregister()
+    expected = oracle.attention(problem.q, problem.k, problem.v, scale=0.5, **problem.kwargs)[:, :, start:]
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_debug_mode_checks_a_registered_decode_kernel(scratch_backend):
+    q, cache = filled_cache()
+    register_backend(scratch_backend, registry.get_backend("gather"), decode=registry.get_decode_backend("gather"),
+                     debug=True)
+    expected = moba_decode_attention(q, cache, top_k=2, backend="gather")
+    assert torch.equal(moba_decode_attention(q, cache, top_k=2, backend=scratch_backend), expected)
+    register_backend(scratch_backend, registry.get_backend("gather"), decode=lambda step: step.q[..., :2],
+                     replace=True)
+    with pytest.raises(RuntimeError, match=f"^backend '{scratch_backend}' \\(decode\\) returned shape"):
+        moba_decode_attention(q, cache, top_k=2, backend=scratch_backend)
+    register_backend(scratch_backend, registry.get_backend("gather"), decode=lambda step: torch.zeros_like(step.q),
+                     replace=True, debug=True)
+    with pytest.raises(RuntimeError, match="differs from MoBA's dense math"):
+        moba_decode_attention(q, cache, top_k=2, backend=scratch_backend)
 
 
 def filled_cache(chunk_size=4, length=20, seed=0):

@@ -24,7 +24,9 @@ replace it by another one.
 :func:`flexmoba.moba_attention`, :func:`flexmoba.moba_decode_attention` and
 :func:`flexmoba.context_parallel.context_parallel_attention` validate their inputs, run the gate
 once and call the backend by name, so a kernel registered here (a FlashMoBA binding, say) gets
-flexmoba's gate, validation, context parallelism and test suites for free. ``"auto"`` is not a
+flexmoba's gate, validation, context parallelism and test suites for free. Its output is checked
+on every call (shape, dtype, device), and with ``register_backend(..., debug=True)`` against the
+dense math on a sample of rows (:mod:`flexmoba.backends.checked`). ``"auto"`` is not a
 backend but a choice among them, by the device's profile (:mod:`flexmoba.tuning`).
 
 Built-in backends (all exact), each in its module, loaded on first use: ``"flex"`` and

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flexmoba.backends.checked import checked_attend, checked_decode
 from flexmoba.tuning import tuning_for
 
 if TYPE_CHECKING:
@@ -73,13 +74,18 @@ def _takes_query_start(fn: Callable) -> bool:
 
 
 def register_backend(name: str, fn: AttendFn, *, decode: DecodeFn | None = None, context_parallel: bool = True,
-                     replace: bool = False) -> None:
+                     replace: bool = False, debug: bool = False) -> None:
     """Make ``fn`` callable as ``moba_attention(..., backend=name)``, ``decode`` (if given) as
     ``moba_decode_attention(..., backend=name)``, and both under context parallelism unless
     ``context_parallel=False`` (then context parallelism refuses the name).
 
     ``fn(q, k, v, selection, scale, *, query_start=0)`` must take ``query_start``. Registering a
     name that exists raises ``ValueError`` unless ``replace=True``.
+
+    Every call's output is checked (shape ``[B, H, S, Dv]``, q's dtype and device; a ``RuntimeError``
+    naming the backend otherwise). ``debug=True`` also compares each call's output on a sample of query
+    rows (decode: every new query) with MoBA's dense math, and raises at the first row that differs
+    (:mod:`flexmoba.backends.checked`): slower, for proving a kernel in a real model.
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"backend name must be a non-empty str, got {name!r}")
@@ -93,11 +99,13 @@ def register_backend(name: str, fn: AttendFn, *, decode: DecodeFn | None = None,
     if not _takes_query_start(fn):
         raise TypeError(f"backend {name!r}: fn must take the keyword query_start (fn(q, k, v, selection, scale, *, "
                         "query_start=0)); declare context_parallel=False if it only handles query_start=0")
-    if not isinstance(context_parallel, bool):
-        raise TypeError(f"context_parallel must be a bool, got {context_parallel!r}")
+    for flag, value in (("context_parallel", context_parallel), ("debug", debug)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{flag} must be a bool, got {value!r}")
     if name in backend_names() and not replace:
         raise ValueError(f"backend {name!r} is already registered; pass replace=True to replace it")
-    _registered[name] = Backend(fn, decode, context_parallel)
+    checked = checked_decode(name, decode, debug) if decode is not None else None
+    _registered[name] = Backend(checked_attend(name, fn, debug), checked, context_parallel)
 
 
 def backend_names() -> tuple[str, ...]:

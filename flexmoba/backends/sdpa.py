@@ -9,23 +9,15 @@ import torch
 from flexmoba.backends.registry import Backend
 from flexmoba.decode_kernels import masked_attention, sdpa_decode
 from flexmoba.gate import Selection
-from flexmoba.masks import dense_moba_mask
+from flexmoba.masks import dense_moba_mask, dense_moba_rows
 
 __all__ = ["BACKENDS", "attend", "local_dense_mask"]
 
 
 def local_dense_mask(selection: Selection, query_start: int, key_len: int) -> torch.Tensor:
-    """``[B, H, S, key_len]`` bool: key s is attended by the query at ``t = query_start + i`` iff it
-    lies in t's document up to t and in a chunk t selected."""
-    layout = selection.layout
-    B, H, S, n_chunks = selection.chunks.shape
-    t = query_start + torch.arange(S, device=layout.doc_start.device)
-    s = torch.arange(key_len, device=t.device)
-    offset = s[None, None, :] - layout.doc_start[:, :, None]  # [B, S, T] from the query's document start
-    visible = (offset >= 0) & (s[None, None, :] <= t[None, :, None])
-    chunk = (offset.clamp(min=0) // layout.chunk_size).clamp(max=n_chunks - 1)
-    selected = selection.chunks.gather(-1, chunk[:, None].expand(B, H, S, key_len))
-    return selected & visible[:, None]
+    """``[B, H, S, key_len]`` bool: the keys each query at ``t = query_start + i`` attends."""
+    positions = query_start + torch.arange(selection.past_chunks.shape[2], device=selection.past_chunks.device)
+    return dense_moba_rows(selection, positions, key_len)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: Selection, scale: float, *,
