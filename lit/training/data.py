@@ -179,15 +179,33 @@ def source_key(root: str, selected: dict[str, list[tuple[str, int]]],
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:8]
 
 
+def is_text(data: bytes) -> bool:
+    """Whether ``data`` is UTF-8 text (a corpus of sources should hold nothing else)."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def read_member(root: str, rel: str, not_text: list[str] | None) -> bytes:
+    """The bytes of file ``rel`` under ``root``, its name added to ``not_text`` if they are not UTF-8 text."""
+    data = (Path(root) / rel).read_bytes()
+    if not_text is not None and not is_text(data):
+        not_text.append(rel)
+    return data
+
+
 def write_token_file(root: str, documents: list[tuple[str, int]], path: Path,
-                     members: dict[str, list[str]] | None = None) -> np.ndarray:
-    """Concatenate the documents' bytes into ``path``, streaming; return document offsets ``[n_docs + 1]``."""
+                     members: dict[str, list[str]] | None = None, not_text: list[str] | None = None) -> np.ndarray:
+    """Concatenate the documents' bytes into ``path``, streaming; return document offsets ``[n_docs + 1]``
+    (the files that are not UTF-8 text named in ``not_text``)."""
     offsets = [0]
     with open(path, "wb") as out:
         for document, _ in documents:
             n_bytes = 0
             for rel in member_files(document, members):
-                data = (Path(root) / rel).read_bytes()
+                data = read_member(root, rel, not_text)
                 out.write(data)
                 n_bytes += len(data)
             offsets.append(offsets[-1] + n_bytes)
@@ -214,6 +232,7 @@ class TokenCache:
 
     def __init__(self, cache_dir: str, stem: str):
         self.base = Path(cache_dir) / stem
+        self.not_text: list[str] = []  # files of the corpus that are not UTF-8 text, found while writing
 
     def path(self, suffix: str) -> Path:
         return self.base.with_name(self.base.name + suffix)
@@ -227,7 +246,7 @@ class TokenCache:
     def write_tokens(self, root: str, documents: list[tuple[str, int]], tmp: dict[str, Path],
                      members: dict[str, list[str]] | None) -> np.ndarray:
         """Write the documents' tokens to ``tmp[".bin"]``; return document offsets ``[n_docs + 1]``."""
-        return write_token_file(root, documents, tmp[".bin"], members)
+        return write_token_file(root, documents, tmp[".bin"], members, self.not_text)
 
     def write_extras(self, tmp: dict[str, Path], manifest: dict) -> dict:
         """Write the sidecars of ``extra_suffixes`` to ``tmp`` (the token file is whole); return the manifest."""
@@ -242,7 +261,8 @@ class TokenCache:
         np.save(tmp[".npy"], offsets)
         first_doc = np.cumsum([0] + [len(selected[split]) for split in SPLITS]).tolist()
         manifest = {**manifest, "documents": {s: first_doc[i : i + 2] for i, s in enumerate(SPLITS)},
-                    "tokens": {s: int(offsets[first_doc[i + 1]] - offsets[first_doc[i]]) for i, s in enumerate(SPLITS)}}
+                    "tokens": {s: int(offsets[first_doc[i + 1]] - offsets[first_doc[i]]) for i, s in enumerate(SPLITS)},
+                    "not_text": sorted(self.not_text)}
         manifest = self.write_extras(tmp, manifest)
         tmp[".json"].write_text(json.dumps(manifest, indent=2))
         for suffix in self.suffixes():  # atomic renames, the manifest last
@@ -432,6 +452,7 @@ class ByteFilesData(L.LightningDataModule):
         self.datasets: dict[str, ByteSequences] = {}
         self.selected: dict[str, list[tuple[str, int]]] | None = None  # each split's documents, once listed
         self.usable_documents: int | None = None  # documents long enough, before max_files/max_bytes
+        self.not_text: list[str] = []  # files that are not UTF-8 text, once the cache is read
         self._resume: dict | None = None
         self._train_sampler: ResumableSampler | None = None
 
@@ -532,6 +553,7 @@ class ByteFilesData(L.LightningDataModule):
                         "patterns": self.patterns, "python": sys.version,
                         "documents_kind": self.documents, "files": {s: len(selected[s]) for s in SPLITS}}
             cache.write(self.root, selected, manifest, self.members)
+        self.not_text = cache.manifest().get("not_text", [])  # caches written before the check hold none
         return cache.read()
 
     def setup(self, stage: str | None = None) -> None:
@@ -557,7 +579,8 @@ class ByteFilesData(L.LightningDataModule):
 
             data: 10 files under /corpus (*.txt), sequences of 128 bytes: train 8 files, 41,234 bytes, 318
             sequences; val 1 file, 482 bytes, 3 sequences; test 1 file, 1,033 bytes, 8 sequences
-            data: max_files 8 keeps 10 of the 265 files long enough; pass --data.max_files null to use them all
+            data: max_files 8 keeps 8 train files (10 with val and test) of the 265 files long enough; pass
+            --data.max_files null to use them all
         """
         selected = self.selected if self.selected is not None else self._selected_files()
         noun = "file" if self.documents == "files" else "package"
@@ -580,9 +603,19 @@ class ByteFilesData(L.LightningDataModule):
         if caps and usable is not None and chosen < usable:
             given = " and ".join(f"{name} {value:,}" for name, value in caps)
             options = " ".join(option.format(name=f"--data.{name}") for name, _ in caps)
-            lines.append(f"data: {given} keep{'s' * (len(caps) == 1)} {chosen:,} of the {counted(usable, noun)} "
+            kept = f"{counted(len(selected['train']), 'train ' + noun)} ({chosen:,} with val and test)"
+            lines.append(f"data: {given} keep{'s' * (len(caps) == 1)} {kept} of the {counted(usable, noun)} "
                          f"long enough; {lift.format(options=options)}")
+        if self.not_text:
+            lines.append(self.not_text_line(unit))
         return lines
+
+    def not_text_line(self, unit: str) -> str:
+        n, names = len(self.not_text), ", ".join(self.not_text[:3]) + ", ..." * (len(self.not_text) > 3)
+        is_, it, its = ("is", "it", "its") if n == 1 else ("are", "them", "their")
+        read = "trained on as raw bytes" if unit == "bytes" else f"{its} invalid bytes read as U+FFFD"
+        return (f"data: {counted(n, 'file')} {is_} not UTF-8 text ({names}), {read}; leave {it} out with "
+                f"--data.patterns or by moving {it} away")
 
     # -- loaders ------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lit.training.data import SPLITS, ByteFilesData, CorpusError, TokenCache, member_files
+from lit.training.data import SPLITS, ByteFilesData, CorpusError, TokenCache, member_files, read_member
 
 TOKENIZER_SUFFIX = ".tokenizer.json"
 DEFAULT_VOCAB_SIZE = 4096
@@ -66,9 +66,11 @@ def load_tokenizer(path: str, option: str = "tokenizer"):
                                   f"{' '.join(str(error).split())}") from None
 
 
-def document_text(root: str, document: str, members: dict[str, list[str]] | None) -> tuple[str, int]:
-    """A document's text (its files concatenated) and its size in bytes."""
-    data = b"".join((Path(root) / rel).read_bytes() for rel in member_files(document, members))
+def document_text(root: str, document: str, members: dict[str, list[str]] | None,
+                  not_text: list[str] | None = None) -> tuple[str, int]:
+    """A document's text (its files concatenated; bytes that are not UTF-8 read as U+FFFD, the files
+    holding them named in ``not_text``) and its size in bytes."""
+    data = b"".join(read_member(root, rel, not_text) for rel in member_files(document, members))
     return data.decode("utf-8", errors="replace"), len(data)
 
 
@@ -97,7 +99,8 @@ class TokenIdCache(TokenCache):
         offsets, self.document_bytes = [0], []
         with open(tmp[".bin"], "wb") as out:
             for batch in batches(documents, ENCODE_BATCH):
-                texts, sizes = zip(*(document_text(root, name, members) for name, _ in batch), strict=True)
+                texts, sizes = zip(*(document_text(root, name, members, self.not_text) for name, _ in batch),
+                                   strict=True)
                 for encoding in tokenizer.encode_batch(list(texts)):
                     np.asarray(encoding.ids, dtype=self.dtype).tofile(out)
                     offsets.append(offsets[-1] + len(encoding.ids))

@@ -172,8 +172,8 @@ def test_a_fit_says_at_the_start_what_data_it_reads_and_how_to_lift_the_cap(inte
     assert re.fullmatch(r"flexmoba: data: \d+ files under \S+ \(\*\.py\), sequences of 128 bytes: train 8 files, "
                         r"[\d,]+ bytes, [\d,]+ sequences; val 1 file, [\d,]+ bytes, [\d,]+ sequences; test 1 file, "
                         r"[\d,]+ bytes, [\d,]+ sequences", data[0]), data[0]
-    assert re.fullmatch(r"flexmoba: data: max_files 8 keeps 10 of the [\d,]+ files long enough; pass "
-                        r"--data.max_files null to use them all", data[1]), data[1]
+    assert re.fullmatch(r"flexmoba: data: max_files 8 keeps 8 train files \(10 with val and test\) of the "
+                        r"[\d,]+ files long enough; pass --data.max_files null to use them all", data[1]), data[1]
     assert lines.index(data[0]) < min(i for i, line in enumerate(lines) if line.startswith("flexmoba: step "))
 
 

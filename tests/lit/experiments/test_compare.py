@@ -219,7 +219,8 @@ def test_a_study_says_once_at_the_start_what_data_it_reads_and_how_to_lift_its_c
     assert lines == [
         f"flexmoba: data: 9 files under {corpus} (*.txt), sequences of 128 bytes: train 8 files, 16,000 bytes, "
         "120 sequences; val 1 file, 482 bytes, 3 sequences; test 0 files, 0 bytes, 0 sequences",
-        "flexmoba: data: max_files 8 keeps 9 of the 31 files long enough; pass --data.max_files null to use them all",
+        "flexmoba: data: max_files 8 keeps 8 train files (9 with val and test) of the 31 files long enough; pass "
+        "--data.max_files null to use them all",
     ], proc.stderr[-3000:]
     assert proc.stderr.index(lines[0]) < proc.stderr.index("flexmoba: step 1/2"), "said after training started"
 

@@ -242,6 +242,17 @@ def test_min_document_bytes_keeps_long_documents_whole(tmp_path):
 
 
 
+def test_a_file_that_is_not_text_is_named_in_the_summary_not_taken_silently(corpus, tmp_path):
+    (corpus / "pkg" / "mod07.py").write_bytes(np.random.default_rng(0).bytes(300))
+    data = make_data(corpus, tmp_path)
+    assert data.summary()[-1] == ("data: 1 file is not UTF-8 text (pkg/mod07.py), trained on as raw bytes; "
+                                  "leave it out with --data.patterns or by moving it away")
+    again = make_data(corpus, tmp_path)  # read from the cache: still said
+    assert again.summary()[-1] == data.summary()[-1]
+    (corpus / "pkg" / "mod07.py").write_text("x = 1\n" * 50)
+    assert not any("UTF-8" in line for line in make_data(corpus, tmp_path).summary())
+
+
 def test_max_files_slices_every_split(corpus, tmp_path):
     data = make_data(corpus, tmp_path, max_files=3)
     files = data._selected_files()

@@ -63,6 +63,16 @@ def test_the_token_file_is_each_documents_ids_back_to_back(code, tmp_path):
     assert inputs.tolist() == ids[0][:SEQ_LEN] and targets.tolist() == ids[0][1 : SEQ_LEN + 1]
 
 
+def test_a_file_that_is_not_text_is_named_when_tokenized(code, tmp_path):
+    root = tmp_path / "code"
+    shutil.copytree(code, root)
+    victim = sorted(root.iterdir())[3]
+    victim.write_bytes(victim.read_bytes()[:2000] + bytes([0xFF, 0xFE, 0x80]) * 100)
+    line = make(root, tmp_path / "cache", vocab_size=VOCAB).summary()[-1]
+    assert line == (f"data: 1 file is not UTF-8 text ({victim.name}), its invalid bytes read as U+FFFD; leave it "
+                    "out with --data.patterns or by moving it away")
+
+
 def test_token_datasets_pickle_by_file_name_with_their_dtype(code, tmp_path):
     dataset = make(code, tmp_path, vocab_size=VOCAB).datasets["train"]
     copy = pickle.loads(pickle.dumps(dataset))  # what a spawned DataLoader worker gets
