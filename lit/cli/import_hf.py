@@ -13,8 +13,9 @@ any flexmoba checkpoint. A checkpoint the GPT cannot represent exactly is refuse
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
+import functools
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,7 +82,8 @@ def main(argv: list[str] | None = None) -> Path:
     transformers_logging.disable_progress_bar()
 
     try:
-        pretrained = load_pretrained(job.source)
+        with no_gguf_progress_bar():
+            pretrained = load_pretrained(job.source)
     except PretrainedError as error:
         raise UsageError("--source", str(error)) from None
     except (ValueError, OSError, KeyError) as error:  # transformers' refusal of a file or folder it cannot read
@@ -90,11 +92,28 @@ def main(argv: list[str] | None = None) -> Path:
                          "give a Llama-family .gguf or transformers folder, or a packaged name (smollm2)") from None
     path = write_import(pretrained, out)
     config = pretrained.model.config
-    print(json.dumps({"checkpoint": str(path), "tokenizer": str(out / TOKENIZER_NAME)
-                      if pretrained.tokenizer_json else None, "parameters": pretrained.model.num_parameters(False),
-                      "context": config.max_seq_len, "vocab_size": config.vocab_size}))
+    tokenizer = f"; tokenizer {out / TOKENIZER_NAME}" if pretrained.tokenizer_json else "; no tokenizer in the source"
+    print(f"flexmoba: import-hf done: {pretrained.model.num_parameters(False):,} parameters, context "
+          f"{config.max_seq_len:,}, vocabulary {config.vocab_size:,}; checkpoint {path}{tokenizer}")
     return path
 
+
+@contextlib.contextmanager
+def no_gguf_progress_bar():
+    """transformers' GGUF reader draws a tqdm bar of its own, which its logging switch leaves on (a
+    redirected log fills with it); off while this is entered."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_reader
+    except ImportError:  # a transformers without GGUF support: nothing to quiet
+        gguf_reader = None
+    bar = getattr(gguf_reader, "tqdm", None)
+    if bar is not None:
+        gguf_reader.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        if bar is not None:
+            gguf_reader.tqdm = bar
 
 if __name__ == "__main__":
     from lit.cli.main import main as flexmoba

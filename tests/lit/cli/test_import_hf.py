@@ -4,6 +4,9 @@ back exactly; what cannot be imported or trained as asked is one line and exit c
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +16,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("lightning")
 
+from conftest import flexmoba_command  # noqa: E402
 from test_mistakes import assert_one_line_error, run_forked  # noqa: E402
 
 from flexmoba.checkpoint import load_model, read_checkpoint  # noqa: E402
@@ -66,6 +70,26 @@ def test_the_import_computes_transformers_logits_and_carries_the_tokenizer(impor
     written = (imported["root"] / "imported" / "tokenizer.json").read_text()
     theirs = AutoTokenizer.from_pretrained(imported["folder"]).backend_tokenizer.to_str()
     assert json.loads(written) == json.loads(theirs)
+
+
+def test_an_import_into_a_log_is_its_closing_line_alone(imported, tmp_path):
+    proc = subprocess.run([*flexmoba_command(), "import-hf", "--source", str(imported["folder"]), "--out",
+                           str(tmp_path / "again")], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
+    out = tmp_path / "again"
+    (line,) = proc.stdout.splitlines()
+    assert re.fullmatch(rf"flexmoba: import-hf done: [\d,]+ parameters, context 256, vocabulary {VOCAB}; "
+                        rf"checkpoint {out / 'model.ckpt'}; tokenizer {out / 'tokenizer.json'}", line), line
+
+
+def test_the_gguf_reader_s_own_progress_bar_is_off_while_importing(capsys):
+    gguf_reader = pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
+    with import_hf.no_gguf_progress_bar():
+        list(gguf_reader.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."))
+    assert capsys.readouterr().err == ""
+    list(gguf_reader.tqdm(range(3), desc="drawn again"))  # and back on after
+    assert "drawn again" in capsys.readouterr().err
 
 
 def test_import_export_hf_import_round_trips_exactly(imported, tmp_path):
