@@ -45,6 +45,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from benchmarks.common import (
     BLOCK,
     DEFAULT_OUT,
+    OUT_HELP,
     OneLineArgumentParser,
     block_density,
     capture_qkv,
@@ -358,7 +359,7 @@ def parse_args(argv=None):
                         "(default: 40%% of GPU memory, 16 on CPU)")
     p.add_argument("--time_budget", type=float, default=None,
                    help="seconds; rows that would start later are reported as skipped (default: none)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report folder (committed: benchmarks/results)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
     args = p.parse_args(argv)
     args.kv_heads = args.kv_heads or args.heads
     args.seq_lens = args.seq_lens or (CUDA_SEQ_LENS if args.device.startswith("cuda") else CPU_SEQ_LENS)

@@ -35,6 +35,7 @@ BLOCK = 128  # flex block size of the benchmarks
 
 # Reports go to an ignored folder unless --out names the committed one (benchmarks/results).
 DEFAULT_OUT = Path("runs/benchmarks")
+OUT_HELP = f"report folder (default {DEFAULT_OUT}, not committed; give benchmarks/results to update the committed one)"
 
 # -- the command line --------------------------------------------------------------------
 

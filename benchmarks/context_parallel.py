@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import DEFAULT_OUT, OneLineArgumentParser, peak_extra_mb, settle_malloc
+from benchmarks.common import DEFAULT_OUT, OUT_HELP, OneLineArgumentParser, peak_extra_mb, settle_malloc
 from flexmoba import MobaSpec
 from flexmoba.context_parallel import ContextParallel, attended_pairs_per_rank, context_parallel_attention
 
@@ -165,7 +165,7 @@ def report(out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = OneLineArgumentParser(prog="flexmoba bench context_parallel", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
     parser.add_argument("--rank", type=Path, help=argparse.SUPPRESS)  # one rank under torchrun
     args = parser.parse_args(argv)
     if args.rank is not None:

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import DEFAULT_OUT, OneLineArgumentParser, finish_report, print_row
+from benchmarks.common import DEFAULT_OUT, OUT_HELP, OneLineArgumentParser, finish_report, print_row
 from flexmoba import MoBAKVCache, MobaSpec, moba_decode_attention, moba_reference
 
 COLUMNS = [
@@ -147,7 +147,7 @@ def main(argv=None) -> None:
     parser.add_argument("--check_up_to", type=int, default=4096,
                         help="compare with moba_reference (dense, O(S^2) memory) up to this context")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report folder (committed: benchmarks/results)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

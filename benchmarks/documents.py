@@ -18,6 +18,7 @@ import torch
 
 from benchmarks.common import (
     DEFAULT_OUT,
+    OUT_HELP,
     OneLineArgumentParser,
     finish_report,
     interleaved_median_seconds,
@@ -80,7 +81,7 @@ def parse_args(argv=None):
     p.add_argument("--chunk_size", type=int, default=128, help="MoBA chunk size")
     p.add_argument("--top_k", type=int, default=3, help="MoBA top-k")
     p.add_argument("--repeats", type=timing_repeats, default=7, help="timed calls per measurement (median)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report folder (committed: benchmarks/results)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
     args = p.parse_args(argv)
     if args.documents < 1:
         p.error(f"--documents must be >= 1, got {args.documents}")

@@ -205,7 +205,8 @@ def main(argv=None) -> int:
     p.add_argument("--compact_seq_len", type=int, default=65536,
                    help="S of the union mask's compact-tables case (chunk 128, top-2, first dtype; CUDA only: "
                         "compiled CPU flex refuses compact tables); 0: none")
-    p.add_argument("--out", type=Path, default=Path("runs/benchmarks/gpu/checks.json"))
+    p.add_argument("--out", type=Path, default=Path("runs/benchmarks/gpu/checks.json"),
+                   help="the checks' JSON file (default %(default)s)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     device_line = describe(device)

@@ -42,7 +42,8 @@ def study_command(args) -> list[str]:
 def parse_args(argv=None):
     p = OneLineArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu" / "scaling")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu" / "scaling",
+                   help="the study's folder (default %(default)s, committed)")
     p.add_argument("--seq_len", type=int, default=8192, help="training sequence length")
     p.add_argument("--budgets", type=int, nargs="+", default=[125, 250, 500, 1000], help="optimizer steps")
     p.add_argument("--eval_seq_len", type=int, default=8192)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import (
     DEFAULT_OUT,
+    OUT_HELP,
     OneLineArgumentParser,
     block_density,
     finish_report,
@@ -68,7 +69,7 @@ def main(argv=None) -> None:
     parser.add_argument("--moba_top_k", dest="top_k", type=int, default=3)
     parser.add_argument("--tile", type=int, default=128, help="tile size of the tile-granularity rows")
     parser.add_argument("--repeats", type=timing_repeats, default=3)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report folder (committed: benchmarks/results)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
     args = parser.parse_args(argv)
 
     compiled_flex_attention()

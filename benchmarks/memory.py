@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import DEFAULT_OUT, OneLineArgumentParser, finish_report, peak_extra_mb, print_row
+from benchmarks.common import DEFAULT_OUT, OUT_HELP, OneLineArgumentParser, finish_report, peak_extra_mb, print_row
 
 PATHS = ("gate", "gather_fwd", "gather_fwd_bwd", "flex_plan", "flex_fwd", "flex_fwd_bwd", "flex_merge", "block_mask",
          "block_mask_compact", "decode")
@@ -224,7 +224,7 @@ def main(argv=None) -> None:
     parser.add_argument("--moba_top_k", dest="top_k", type=int, default=3)
     parser.add_argument("--one", nargs=2, metavar=("PATH", "S"), help=argparse.SUPPRESS)  # one, in this process
     parser.add_argument("--fit_from", type=int, default=2**17, help="fit the points from this S on (default: 131072)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report folder (committed: benchmarks/results)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
     args = parser.parse_args(argv)
     args.kv_heads = args.kv_heads or args.heads
     torch.set_num_threads(1)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import DEFAULT_OUT, OneLineArgumentParser, finish_report, peak_extra_mb, print_row
+from benchmarks.common import DEFAULT_OUT, OUT_HELP, OneLineArgumentParser, finish_report, peak_extra_mb, print_row
 
 COLUMNS = [("pass", "pass"), ("seq_len", "S"), ("heads", "H"), ("kv_heads", "H_kv"), ("backend", "backend"),
            ("seconds", "seconds"), ("peak_mib", "peak (MiB)"), ("inputs_mib", "inputs (MiB)"),
@@ -103,7 +103,7 @@ def main(argv=None) -> None:
     parser.add_argument("--passes", nargs="+", choices=("forward", "forward+backward"),
                         default=["forward", "forward+backward"])
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report folder (committed: benchmarks/results)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
     args = parser.parse_args(argv)
     args.kv_heads = args.kv_heads or args.heads
     if args.threads:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import (
     DEFAULT_OUT,
+    OUT_HELP,
     OneLineArgumentParser,
     finish_report,
     median_seconds,
@@ -130,7 +131,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=timing_repeats, default=3, help="timed steps (median)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--device", default="cuda" if cuda else "cpu")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report folder (committed: benchmarks/results)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
     return p.parse_args(argv)
 
 

@@ -24,6 +24,7 @@ import torch
 from benchmarks.common import (
     BLOCK,
     DEFAULT_OUT,
+    OUT_HELP,
     OneLineArgumentParser,
     capture_qkv,
     finish_report,
@@ -68,7 +69,7 @@ def main(argv=None) -> None:
     p.add_argument("--moba_chunk_size", dest="chunk_size", type=int, help="default: the checkpoint's, else 512")
     p.add_argument("--moba_top_k", dest="top_k", type=int, help="default: the checkpoint's, else 3")
     p.add_argument("--heads", type=int, default=4, help="H for random inputs")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report folder (committed: benchmarks/results)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
     args = p.parse_args(argv)
     if args.ckpt is not None:
         model = load_checkpoint_model(args.ckpt, torch.device("cpu"))
