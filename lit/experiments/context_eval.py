@@ -36,6 +36,7 @@ from lit.experiments.scaling_law import t_975
 from lit.training import checks
 from lit.training.errors import UsageError
 from lit.training.options import parse_dataclass
+from lit.training.ticker import Ticker, progress_seconds
 
 # torch, numpy, flexmoba and the data modules are imported where they are used: ``--help`` (and the modules
 # that import Arm or ContextEvalJob from here) do not wait for them. Models are flexmoba.model.GPT, configs
@@ -600,12 +601,22 @@ def run(job: ContextEvalJob) -> dict:
           f"{len(items)} measurements to go ({len(done)} done before) into {out}", flush=True)
     started = time.monotonic()
     for i, (key, score) in enumerate(items, 1):
-        append_record(records_path, {**key, **score(models[key["arm"]])})
+        name = f"[{i}/{len(items)}] {key['kind']} {key['arm']} {measured(key)}"
+        with Ticker(progress_seconds(), running(name, time.monotonic()), lambda line: print(line, flush=True)):
+            append_record(records_path, {**key, **score(models[key["arm"]])})
         elapsed = time.monotonic() - started
-        print(f"[{i}/{len(items)}] {key['kind']} {key['arm']} "
-              f"{key.get('document') or str(key.get('length')) + '@' + str(key.get('depth'))} "
-              f"{elapsed:.0f}s elapsed, about {elapsed / i * (len(items) - i):.0f}s left", flush=True)
+        print(f"{name} {elapsed:.0f}s elapsed, about {elapsed / i * (len(items) - i):.0f}s left", flush=True)
     return report(job, arms, read_records(records_path), out, notes)
+
+
+def running(name: str, began: float):
+    """The line said while measurement ``name``, begun at ``began``, runs past the progress interval."""
+    return lambda: f"{name} running for {time.monotonic() - began:.0f}s"
+
+
+def measured(key: dict) -> str:
+    """What a measurement scores: its document, or its passkey's length and depth."""
+    return key.get("document") or f"{key.get('length')}@{key.get('depth')}"
 
 
 def dense_notes(arms: list[Arm], configs: dict, seq_len: int) -> list[str]:

@@ -9,9 +9,9 @@ step and every evaluation batch).
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import lightning as L
@@ -20,7 +20,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 
 from lit.training import metric_names
-from lit.training.errors import UsageError
+from lit.training.ticker import DEFAULT_PROGRESS_SECONDS, PROGRESS_SECONDS, Ticker, progress_seconds  # noqa: F401
 
 
 @rank_zero_only
@@ -81,25 +81,6 @@ def with_own_display(trainer: L.Trainer, start: StartLines | None = None, intera
 
 # -- progress lines ------------------------------------------------------------------------
 
-PROGRESS_SECONDS = "FLEXMOBA_PROGRESS_SECONDS"
-DEFAULT_PROGRESS_SECONDS = 60.0
-
-
-def progress_seconds() -> float:
-    """The most seconds between two progress lines: ``$FLEXMOBA_PROGRESS_SECONDS``, default 60."""
-    given = os.environ.get(PROGRESS_SECONDS, "").strip()
-    if not given:
-        return DEFAULT_PROGRESS_SECONDS
-    try:
-        seconds = float(given)
-    except ValueError:
-        seconds = math.nan
-    if not seconds >= 0:
-        raise UsageError(PROGRESS_SECONDS, f"must be a number of seconds >= 0, got {given!r}",
-                         f"e.g. {PROGRESS_SECONDS}=60, or 0 for a line every step")
-    return seconds
-
-
 def duration(seconds: float) -> str:
     """``42s``, ``3m 20s``, ``2h 05m``."""
     seconds = max(0, round(seconds))
@@ -150,37 +131,68 @@ class ProgressLines(L.Callback):
 
         flexmoba: step 37/100: loss 2.3412, 12,345 tokens/s, 1m 20s left
         flexmoba: validation batch 12/32: 3,456 tokens/s, 40s left
+        flexmoba: step 38/100 (step 39 running for 1m 05s): 12,001 tokens/s, 1m 19s left
+
+the last, from a timer (:class:`lit.training.ticker.Ticker`), while a step or batch runs past the interval.
 
     Rates count every process's tokens (this process's times the world size) over this session's time;
     training time leaves out the validations inside the fit. Reads the loss on the host once a line.
     """
 
-    def __init__(self, every_seconds: float = DEFAULT_PROGRESS_SECONDS, clock=time.monotonic):
+    def __init__(self, every_seconds: float = DEFAULT_PROGRESS_SECONDS, clock=time.monotonic, ticking: bool = True):
         self.every = every_seconds
         self.clock = clock
-        self.last_line: float | None = None
+        self.ticker = Ticker(every_seconds, self.running_line, say, clock)
+        self.ticking = ticking  # a line on a timer too, while a step or batch runs longer than the interval
+        self.trainer: L.Trainer | None = None
+        self.stage: str | None = None  # "train", or the evaluation running; None: nothing to say
+        self.mark = clock()  # when the running step or batch began
         self.train: Pace | None = None
         self.eval: Pace | None = None
 
     def due(self) -> bool:
-        now = self.clock()
-        if self.last_line is None:
-            self.last_line = now
-        if now - self.last_line < self.every:
-            return False
-        self.last_line = now
-        return True
+        return self.ticker.due()
+
+    def say_if_due(self, line: Callable[[], str]) -> None:
+        self.mark = self.clock()
+        if self.due():
+            say(line())
+
+    def running_line(self) -> str | None:
+        """The timer's line: the last one's figures and how long the running step or batch has taken."""
+        trainer, stage = self.trainer, self.stage
+        if trainer is None or stage is None:
+            return None
+        running = duration(self.clock() - self.mark)
+        if stage == "train":
+            return self.training_line(trainer).replace(":", f" (step {trainer.global_step + 1} running for "
+                                                                  f"{running}):", 1)
+        if self.eval is None or self.eval.batches == 0:
+            return f"{stage}: batch 1 running for {running}"
+        return self.evaluation_line(trainer, stage).replace(":", f" (batch {self.eval.batches + 1} running for "
+                                                                 f"{running}):", 1)
+
+    @rank_zero_only
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.trainer = trainer
+        if self.ticking:
+            self.ticker.start()
+
+    @rank_zero_only
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.stage = None
+        self.ticker.stop()
 
     @rank_zero_only
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.train = Pace(self.clock(), trainer.global_step)
-        self.last_line = self.clock()
+        self.trainer, self.stage, self.mark = trainer, "train", self.clock()
+        self.ticker.said()
 
     @rank_zero_only
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         self.train.tokens += batch_tokens(batch) * trainer.world_size
-        if self.due():
-            say(self.training_line(trainer, step_loss(trainer, pl_module, outputs)))
+        self.say_if_due(lambda: self.training_line(trainer, step_loss(trainer, pl_module, outputs)))
 
     def training_line(self, trainer: L.Trainer, loss: float | None = None) -> str:
         step, pace = trainer.global_step, self.train
@@ -194,16 +206,14 @@ class ProgressLines(L.Callback):
         shown_total = f"/{int(total)}" if math.isfinite(total) else ""
         return f"step {step}{shown_total}: " + ", ".join(parts)
 
-    def start_evaluation(self, trainer: L.Trainer) -> None:
+    def start_evaluation(self, trainer: L.Trainer, stage: str) -> None:
         self.eval = Pace(self.clock())
-        if self.last_line is None:
-            self.last_line = self.eval.began
+        self.trainer, self.stage, self.mark = trainer, stage, self.eval.began
 
     def count_evaluation(self, trainer: L.Trainer, batch, stage: str) -> None:
         self.eval.batches += 1
         self.eval.tokens += batch_tokens(batch) * trainer.world_size
-        if self.due():
-            say(self.evaluation_line(trainer, stage))
+        self.say_if_due(lambda: self.evaluation_line(trainer, stage))
 
     def evaluation_line(self, trainer: L.Trainer, stage: str) -> str:
         pace = self.eval
@@ -218,7 +228,7 @@ class ProgressLines(L.Callback):
     @rank_zero_only
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking:
-            self.start_evaluation(trainer)
+            self.start_evaluation(trainer, "validation")
 
     @rank_zero_only
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, *_,
@@ -231,10 +241,13 @@ class ProgressLines(L.Callback):
         if not trainer.sanity_checking and trainer.state.fn == TrainerFn.FITTING and self.train is not None \
                 and self.eval is not None:
             self.train.paused += self.clock() - self.eval.began  # the training clock stood still meanwhile
+            self.stage, self.mark = "train", self.clock()
+        elif trainer.state.fn != TrainerFn.FITTING:
+            self.stage = None
 
     @rank_zero_only
     def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.start_evaluation(trainer)
+        self.start_evaluation(trainer, "test")
 
     @rank_zero_only
     def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, *_, **__) -> None:
@@ -242,7 +255,7 @@ class ProgressLines(L.Callback):
 
     @rank_zero_only
     def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.start_evaluation(trainer)
+        self.start_evaluation(trainer, "predict")
 
     @rank_zero_only
     def on_predict_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, *_,

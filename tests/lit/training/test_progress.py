@@ -1,6 +1,7 @@
 """What a run says besides its metrics: progress lines when stdout is not a terminal, and a MoBA that cannot be
 sparse. (The lines of real runs are checked in tests/lit/cli/test_console.py and tests/lit/experiments.)"""
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -10,6 +11,7 @@ from flexmoba import MobaSpec
 from flexmoba.model import ModelConfig
 from lit.training import progress
 from lit.training.errors import UsageError
+from lit.training.ticker import Ticker
 
 
 class Clock:
@@ -28,7 +30,7 @@ def fake_trainer(step: int = 0) -> SimpleNamespace:
 
 def test_a_progress_line_comes_at_least_every_interval_and_no_sooner(capsys):
     clock = Clock()
-    lines = progress.ProgressLines(60, clock)
+    lines = progress.ProgressLines(60, clock, ticking=False)
     trainer, module = fake_trainer(), SimpleNamespace()
     batch = (torch.zeros(4, 128, dtype=torch.long), torch.zeros(4, 128, dtype=torch.long))
     lines.on_train_start(trainer, module)
@@ -51,6 +53,45 @@ def test_a_progress_line_comes_at_least_every_interval_and_no_sooner(capsys):
     lines.on_train_batch_end(trainer, module, {"loss": torch.tensor(2.0)}, batch, 10)
     # the 150 s of validation are not training time: 11 steps in 160 s
     assert capsys.readouterr().err.splitlines() == ["flexmoba: step 11/100: loss 2.0000, 70 tokens/s, 21m 35s left"]
+
+
+def test_a_step_longer_than_the_interval_is_not_silent(capsys):
+    clock = Clock()
+    lines = progress.ProgressLines(60, clock, ticking=False)
+    trainer, module = fake_trainer(), SimpleNamespace()
+    batch = (torch.zeros(4, 128, dtype=torch.long), torch.zeros(4, 128, dtype=torch.long))
+    assert lines.running_line() is None  # nothing started: nothing to say
+    lines.on_train_start(trainer, module)
+    clock.now += 30
+    trainer.global_step = 1
+    lines.on_train_batch_end(trainer, module, {"loss": torch.tensor(2.5)}, batch, 0)
+    clock.now += 75  # the second step runs on
+    assert lines.running_line() == "step 1/100 (step 2 running for 1m 15s): 10 tokens/s, 2h 53m left"
+    lines.on_validation_start(trainer, module)
+    clock.now += 61
+    assert lines.running_line() == "validation: batch 1 running for 1m 01s"
+    lines.on_validation_batch_end(trainer, module, None, batch, 0)
+    clock.now += 70
+    assert lines.running_line() == "validation batch 1/32 (batch 2 running for 1m 10s): 8 tokens/s, 1h 07m left"
+    # at the batch's end, its own line (the timer's thread, off here, says the running ones)
+    assert capsys.readouterr().err.splitlines() == ["flexmoba: validation batch 1/32: 17 tokens/s, 31m 31s left"]
+
+
+def test_the_timer_says_a_line_each_interval_without_one():
+    said = []
+    with Ticker(0.1, lambda: "alive", said.append):
+        time.sleep(0.55)
+    assert 3 <= len(said) <= 6 and set(said) == {"alive"}
+    said.clear()
+    ticker = Ticker(0.1, lambda: "alive", said.append).start()
+    for _ in range(20):  # lines said elsewhere every 0.03 s: the timer has nothing to add
+        ticker.said()
+        time.sleep(0.03)
+    ticker.stop()
+    assert said == []
+    with Ticker(0.05, lambda: None, said.append):  # a None line: nothing said
+        time.sleep(0.2)
+    assert said == []
 
 
 @pytest.mark.parametrize("given, seconds", [(None, 60.0), ("", 60.0), ("0", 0.0), ("2.5", 2.5)])
