@@ -28,6 +28,7 @@ import csv
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -201,6 +202,7 @@ def train_one(study: dict, attention: str, seed: int, announce: bool = False) ->
         return json.loads(done.read_text())
     resume = any((folder / "checkpoints").glob("*.ckpt"))  # killed between step and last checkpoint: resumes too
     print(f"[compare] {attention} (seed {seed}): {'resuming' if resume else 'training'} -> {folder}", flush=True)
+    load_before = os.getloadavg()[0]
     cli, final = fit_and_validate(run_config(study, attention, seed), resume=resume,
                                   limit_val_batches=study["final_val_batches"],
                                   start=StartLines(data=True, moba=False) if announce else None)
@@ -223,6 +225,8 @@ def train_one(study: dict, attention: str, seed: int, announce: bool = False) ->
         "train_seconds": seconds,
         "train_tokens": tokens,
         "tokens_per_second": tokens / max(seconds, 1e-9),
+        "load_average": [load_before, os.getloadavg()[0]],  # 1-minute, at its start and end
+        "cpus": os.cpu_count(),
         "dense_flops_per_token": config.dense_flops_per_token(),
         "attention_flops_per_token": config.attention_flops_per_token(seq_len),
         "checkpoint": str(folder / "checkpoints" / "last.ckpt"),
@@ -301,8 +305,23 @@ def markdown_report(study: dict, results: list[dict]) -> str:
     differs = " (so its last point differs from the table)" if final != during else ""
     lines += ["", f"Final validation read {final} per run{fewer}; the curve in val_loss.png, {during} per "
               f"point{differs}. Trailing loss = the last window of positions; bpb = bits per byte. Train time counts "
-              "training batches only (no validation); a resumed run's time is the sum of its sessions.", ""]
+              "training batches only (no validation); a resumed run's time is the sum of its sessions. "
+              + speed_note(results), ""]
     return "\n".join(lines)
+
+
+def speed_note(results: list[dict]) -> str:
+    """What the time columns are worth: the machine's load while the runs trained, and where speed is measured."""
+    loads = [load for r in results for load in r.get("load_average") or []]
+    measured = "flexmoba bench train_step measures speed (both kinds in one process, repeated)"
+    if not loads:
+        return f"The machine's load was not recorded: the time columns are no speed measurement; {measured}."
+    cpus = max(r.get("cpus") or 1 for r in results)
+    shared = max(loads) > cpus + 0.5  # a run's own threads load the machine up to its cores
+    state = "shared with other work" if shared else "not otherwise busy"
+    return (f"1-minute load average {min(loads):.1f}-{max(loads):.1f} on {cpus} CPUs at the runs' starts and ends "
+            f"({state}): the time columns are {'no' if shared else 'one run per seed, not a'} speed measurement; "
+            f"{measured}.")
 
 
 def counts_text(results: list[dict], key: str) -> str:

@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelSummary, RichModelSummary, RichProgressBar
@@ -323,10 +324,18 @@ def run_summary(trainer: L.Trainer, subcommand: str, loaded: str | None) -> str:
     callback = trainer.checkpoint_callback
     if subcommand == "fit":
         checkpoint = callback.last_model_path or callback.best_model_path if callback is not None else ""
-        parts.append(f"checkpoint {checkpoint or 'none saved'}")
-    logs = [logger.log_dir for logger in trainer.loggers if getattr(logger, "log_dir", None)]
+        parts.append(f"checkpoint {shown(checkpoint) if checkpoint else 'none saved'}")
+    logs = [shown(logger.log_dir) for logger in trainer.loggers if getattr(logger, "log_dir", None)]
     parts.append(f"logs {', '.join(logs) or 'none'}")
     return "; ".join(parts)
+
+
+def shown(path: str) -> str:
+    """``path`` as a line shows it: relative to the working directory when under it (as the logs' are)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def plural(count: int, word: str) -> str:

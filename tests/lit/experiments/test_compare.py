@@ -267,3 +267,17 @@ def test_ctrl_c_ends_a_study_with_the_step_reached_and_the_command_that_resumes(
     assert int(said[3]) <= int(said[1]) and said[2] == str(tmp_path / "study" / "moba" / "seed1337")
     assert said[4] == shlex.join(["flexmoba", "compare", *args]), said[4]
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+
+
+def test_the_report_says_what_its_speed_columns_are_worth_from_the_load_while_they_ran():
+    def runs(*loads):
+        return [{"load_average": list(pair), "cpus": 2} for pair in loads]
+
+    from lit.experiments.compare import speed_note
+
+    busy = speed_note(runs((1.1, 2.0), (2.2, 4.3)))
+    assert busy.startswith("1-minute load average 1.1-4.3 on 2 CPUs at the runs' starts and ends (shared with other "
+                           "work): the time columns are no speed measurement; flexmoba bench train_step")
+    quiet = speed_note(runs((0.1, 2.0), (1.9, 2.3)))
+    assert "(not otherwise busy): the time columns are one run per seed, not a speed measurement" in quiet
+    assert speed_note([{}]).startswith("The machine's load was not recorded: the time columns are no speed")
