@@ -115,7 +115,14 @@ def main(argv: list[str] | None = None) -> None:
         fail(f"{name} needs the training extra ({error.name} is not installed): pip install 'flexmoba[train]'")
 
 
-def run_subcommand(name: str, rest: list[str]) -> None:
+def run_subcommand(name: str, rest: list[str], kept_help: bool = True) -> None:
+    if kept_help and rest in (["--help"], ["-h"]) and importlib.util.find_spec("lightning") is not None:
+        from lit.cli.help_pages import kept_page  # (without Lightning the live path names the extra to install)
+
+        page = kept_page(name)
+        if page is not None:
+            print(page, end="")
+            return
     if name in LIGHTNING:
         # argv[0] stays the real program: Lightning's DDP launcher re-runs it in the other ranks.
         sys.argv = [sys.argv[0], name, *rest]

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 import flexmoba
+from lit.cli import help_pages
 from lit.cli.main import LIGHTNING, SUBCOMMANDS, main
 
 
@@ -33,18 +34,7 @@ def test_version_and_help_import_no_torch():
     assert (version, torch_imported) == (f"flexmoba {flexmoba.__version__}", "False"), proc.stdout
 
 
-# The subcommands whose --help cannot be built without torch, and why.
-HELP_NEEDS_TORCH = {
-    **{name: "LightningCLI builds its help from the Trainer's and LitLM's signatures (Lightning, torch)"
-       for name in LIGHTNING},
-    "compare": "it takes every option of fit: its help is LightningCLI's parser of the Trainer and LitLM",
-    "continued-scaling": "it takes every option of fit: its help is LightningCLI's parser of the Trainer and LitLM",
-}
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=HELP_NEEDS_TORCH[name]))
-    if name in HELP_NEEDS_TORCH else name for name in SUBCOMMANDS])
+@pytest.mark.parametrize("name", SUBCOMMANDS)
 def test_help_of_a_subcommand_imports_no_torch(name):
     """``flexmoba <subcommand> --help`` in a fresh interpreter, then whether torch or Lightning (seconds to
     import) were imported to build it."""
@@ -55,6 +45,18 @@ def test_help_of_a_subcommand_imports_no_torch(name):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.startswith("usage: "), proc.stderr[-2000:]
     assert proc.stdout.splitlines()[-1] == "[]", f"flexmoba {name} --help imported {proc.stdout.splitlines()[-1]}"
+
+
+@pytest.mark.parametrize("name", help_pages.KEPT)
+def test_a_kept_help_page_is_the_one_lightning_cli_builds(name):
+    """The pages LightningCLI builds (seconds: Lightning and torch) are kept as text; built afresh, each is
+    the kept one (else: python -m lit.cli.help_pages)."""
+    assert help_pages.kept_page(name) == help_pages.built_page(name), f"{name}: run python -m lit.cli.help_pages"
+
+
+def test_help_with_other_arguments_is_built_live(capfd):
+    code, out, _ = run(capfd, "fit", "--trainer.max_steps", "3", "--help")
+    assert code == 0 and "--trainer.max_steps" in out and out != help_pages.kept_page("fit")
 
 
 def test_bare_command_lists_every_subcommand(capsys):
