@@ -164,7 +164,10 @@ the last, from a timer (:class:`lit.training.ticker.Ticker`), while a step or ba
         trainer, stage = self.trainer, self.stage
         if trainer is None or stage is None:
             return None
-        running = duration(self.clock() - self.mark)
+        seconds = self.clock() - self.mark
+        if seconds < 1:  # a step or batch just ended (the timer beat its own line to it): that line, as it is
+            return self.training_line(trainer) if stage == "train" else self.evaluation_line(trainer, stage)
+        running = duration(seconds)
         if stage == "train":
             return self.training_line(trainer).replace(":", f" (step {trainer.global_step + 1} running for "
                                                                   f"{running}):", 1)

@@ -65,6 +65,7 @@ def test_a_step_longer_than_the_interval_is_not_silent(capsys):
     clock.now += 30
     trainer.global_step = 1
     lines.on_train_batch_end(trainer, module, {"loss": torch.tensor(2.5)}, batch, 0)
+    assert lines.running_line() == "step 1/100: 34 tokens/s, 49m 30s left"  # the step just ended
     clock.now += 75  # the second step runs on
     assert lines.running_line() == "step 1/100 (step 2 running for 1m 15s): 10 tokens/s, 2h 53m left"
     lines.on_validation_start(trainer, module)
