@@ -6,6 +6,7 @@ import torch
 
 from flexmoba import validation
 from flexmoba.backends import get_backend, resolve_backend
+from flexmoba.backends.checked import checked_attend
 from flexmoba.gate import select_chunks
 from flexmoba.layout import ChunkLayout
 from flexmoba.spec import MobaSpec, takes_settings
@@ -46,4 +47,4 @@ def moba_attention(
     scale = validation.softmax_scale(scale, q)
     selection = select_chunks(q, k, spec, document_ids=document_ids, layout=layout)
     name = resolve_backend(spec.backend, q, k, v, spec.chunk_size, spec.top_k, spec.granularity)
-    return get_backend(name)(q, k, v, selection, scale, query_start=0)
+    return checked_attend(name, get_backend(name))(q, k, v, selection, scale, query_start=0)

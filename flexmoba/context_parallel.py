@@ -30,6 +30,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from flexmoba import validation
 from flexmoba.backends import get_context_parallel_backend, resolve_context_parallel_backend
+from flexmoba.backends.checked import checked_attend
 from flexmoba.compiled_flex import active_flex_attention, custom_flex_attention
 from flexmoba.gate import select_local_chunks
 from flexmoba.gather import dense_attention, dense_attention_backward
@@ -142,7 +143,8 @@ def local_moba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec
     """
     validation.check_local_queries(q, k, v, query_start)
     scale = validation.softmax_scale(scale, q)
-    attend = get_context_parallel_backend(resolve_context_parallel_backend(spec.backend, q))
+    name = resolve_context_parallel_backend(spec.backend, q)
+    attend = checked_attend(name, get_context_parallel_backend(name))
     selection = select_local_chunks(q, k, spec, query_start, document_ids)
     end = query_start + q.shape[2]
     return attend(q, k[:, :, :end], v[:, :, :end], selection, scale, query_start=query_start)

@@ -28,6 +28,7 @@ import torch
 
 from flexmoba import validation
 from flexmoba.backends import get_decode_backend, resolve_decode_backend
+from flexmoba.backends.checked import checked_decode
 from flexmoba.decode_kernels import DecodeStep, dense_causal_attention, query_places
 from flexmoba.gate import select_against_means
 from flexmoba.kv_cache import ChunkKeySums, MoBAKVCache
@@ -117,7 +118,7 @@ def attend_cached_keys(
     name = resolve_decode_backend(spec.backend, q.shape[2], sums.chunks_spanned(T), spec.top_k, q.device)
     if name is None:
         return dense_causal_attention(q, keys, values, start, scale)
-    decode = get_decode_backend(name)
+    decode = checked_decode(name, get_decode_backend(name))
     sums.update(keys[:, :, sums.length:])
     return decode(gate_step(q, keys, values, sums, spec.top_k, scale))
 

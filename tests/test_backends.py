@@ -20,6 +20,7 @@ from flexmoba import (
 )
 from flexmoba import backends as backend_table
 from flexmoba.backends import registry, resolve_backend, resolve_decode_backend
+from flexmoba.backends.checked import checked_attend
 from flexmoba.decode_kernels import DecodeStep
 from flexmoba.gate import Selection, select_local_chunks
 from flexmoba.spec import MobaSpec
@@ -185,10 +186,12 @@ def test_debug_mode_checks_queries_at_an_offset_as_context_parallelism_passes_th
                                     problem.document_ids)
     name = registered_backend.register(debug=True)
     try:
-        got = registry.get_backend(name)(q, problem.k, problem.v, selection, 0.5, query_start=start)
+        got = checked_attend(name, registry.get_backend(name))(q, problem.k, problem.v, selection, 0.5,
+                                                                query_start=start)
         register_backend(name, off_in_the_last_row, replace=True, debug=True)
         with pytest.raises(RuntimeError, match=f"query {S - start - 1}: "):
-            registry.get_backend(name)(q, problem.k, problem.v, selection, 0.5, query_start=start)
+            checked_attend(name, registry.get_backend(name))(q, problem.k, problem.v, selection, 0.5,
+                                                             query_start=start)
     finally:
         registered_backend.unregister()
     expected = oracle.attention(problem.q, problem.k, problem.v, scale=0.5, **problem.kwargs)[:, :, start:]

@@ -1,10 +1,11 @@
 """The gate around a registered backend's output: shape, dtype and device on every call, and in debug
 mode the values too, against MoBA's dense math on a sample of query rows.
 
-A kernel of one's own is where a wrong answer is most likely and least visible, so every backend added
-with :func:`flexmoba.register_backend` returns through :func:`checked_attend` (and its decode through
-:func:`checked_decode`). The built-ins are proven by the test suites and run unwrapped. The default check
-reads only tensor metadata: a value check would read the output (on a GPU, a host sync in every layer).
+A kernel of one's own is where a wrong answer is most likely and least visible, so attention, decoding
+and context parallelism call every backend added with :func:`flexmoba.register_backend` through
+:func:`checked_attend` (its decode through :func:`checked_decode`). The built-ins are proven by the test
+suites and run unwrapped. The default check reads only tensor metadata: a value check would read the
+output (on a GPU, a host sync in every layer).
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flexmoba.backends.registry import AttendFn, DecodeFn, backend
+from flexmoba.decode_kernels import DecodeStep, sdpa_decode
+from flexmoba.masks import dense_moba_rows
+
 if TYPE_CHECKING:
-    from flexmoba.decode_kernels import DecodeStep
     from flexmoba.gate import Selection
 
 __all__ = ["DEBUG_ROWS", "checked_attend", "checked_decode", "sample_rows"]
@@ -24,15 +28,19 @@ DEBUG_ROWS = 16  # query rows per call compared in debug mode: the first, the la
 TOLERANCE = {torch.float64: 1e-8, torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 
 
-def checked_attend(name: str, fn, debug: bool):
-    """``fn`` (``attend(q, k, v, selection, scale, *, query_start=0)``) returning only an output of the
-    protocol's shape, dtype and device, and with ``debug`` only one that matches the dense math."""
+def checked_attend(name: str, fn: AttendFn) -> AttendFn:
+    """``fn``, backend ``name``'s ``attend(q, k, v, selection, scale, *, query_start=0)``, returning only an
+    output of the protocol's shape, dtype and device (and in debug mode one that matches the dense math)
+    when the backend is a registered one; the built-ins' as they are."""
+    entry = backend(name)
+    if not entry.checked:
+        return fn
 
     @functools.wraps(fn)
     def attend(q, k, v, selection, scale, *, query_start: int = 0):
         out = fn(q, k, v, selection, scale, query_start=query_start)
         check_output(name, "attention", out, q, v)
-        if debug:
+        if entry.debug:
             rows = sample_rows(q.shape[2], DEBUG_ROWS, q.device)
             check_values(name, out[:, :, rows], reference_rows(q, k, v, selection, scale, query_start, rows), rows)
         return out
@@ -40,17 +48,18 @@ def checked_attend(name: str, fn, debug: bool):
     return attend
 
 
-def checked_decode(name: str, fn, debug: bool):
-    """``fn`` (``decode(step)``) under the same checks, in debug mode against the ``sdpa`` backend's
-    decode (every new query: a decode call holds few)."""
+def checked_decode(name: str, fn: DecodeFn) -> DecodeFn:
+    """``fn``, backend ``name``'s ``decode(step)``, under the same checks, in debug mode against the
+    ``sdpa`` backend's decode (every new query: a decode call holds few)."""
+    entry = backend(name)
+    if not entry.checked:
+        return fn
 
     @functools.wraps(fn)
     def decode(step: DecodeStep):
         out = fn(step)
         check_output(name, "decode", out, step.q, step.values)
-        if debug:
-            from flexmoba.decode_kernels import sdpa_decode
-
+        if entry.debug:
             rows = torch.arange(step.q.shape[2], device=step.q.device)
             check_values(name, out, sdpa_decode(step).float(), rows)
         return out
@@ -97,8 +106,6 @@ def reference_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection:
                    query_start: int, rows: torch.Tensor) -> torch.Tensor:
     """``[B, H, R, Dv]`` fp32: queries ``rows`` of ``q [B, H, S, D]`` (at ``query_start + rows``) over
     ``k, v [B, H_kv, T, D]`` by ``softmax(masked q k^T * scale) v``."""
-    from flexmoba.masks import dense_moba_rows
-
     allowed = dense_moba_rows(selection, query_start + rows, k.shape[2], rows)
     group = q.shape[1] // k.shape[1]
     logits = (q[:, :, rows].float() @ k.float().repeat_interleave(group, 1).transpose(-1, -2)) * scale

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flexmoba.backends.checked import checked_attend, checked_decode
 from flexmoba.tuning import tuning_for
 
 if TYPE_CHECKING:
@@ -55,11 +54,16 @@ class Backend:
         decode: ``decode(step) -> out``, or None: the backend does not decode.
         context_parallel: whether ``attend`` takes queries at ``query_start > 0`` (keys
             ``[0, query_start + S)``), which context parallelism needs.
+        checked: whether its outputs are checked where it is called (one registered with
+            :func:`register_backend`; the built-ins are proven by the test suites).
+        debug: whether the check also compares values with the dense math.
     """
 
     attend: AttendFn
     decode: DecodeFn | None = None
     context_parallel: bool = True
+    checked: bool = False
+    debug: bool = False
 
 
 _registered: dict[str, Backend] = {}
@@ -104,8 +108,7 @@ def register_backend(name: str, fn: AttendFn, *, decode: DecodeFn | None = None,
             raise TypeError(f"{flag} must be a bool, got {value!r}")
     if name in backend_names() and not replace:
         raise ValueError(f"backend {name!r} is already registered; pass replace=True to replace it")
-    checked = checked_decode(name, decode, debug) if decode is not None else None
-    _registered[name] = Backend(checked_attend(name, fn, debug), checked, context_parallel)
+    _registered[name] = Backend(fn, decode, context_parallel, checked=True, debug=debug)
 
 
 def backend_names() -> tuple[str, ...]:
