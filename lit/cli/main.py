@@ -122,7 +122,7 @@ def run_subcommand(name: str, rest: list[str], kept_help: bool = True) -> None:
         page = kept_page(name)
         if page is not None:
             print(page, end="")
-            return
+            raise SystemExit(0)  # as argparse's --help ends
     if name in LIGHTNING:
         # argv[0] stays the real program: Lightning's DDP launcher re-runs it in the other ranks.
         sys.argv = [sys.argv[0], name, *rest]

@@ -29,9 +29,10 @@ def compare(*args, timeout=600):
 
 
 def loss_lines(results_md: Path) -> list[str]:
-    """The report without its clock columns (train time, tokens/s) and without its folder names."""
+    """The report without its clock columns (train time, tokens/s), the machine's load and its folder names."""
     lines = []
     for line in results_md.read_text().splitlines():
+        line = re.sub(r" (1-minute load average|The machine's load) .*$", "", line)
         cells = line.split("|")
         lines.append("|".join(cells[:7] + cells[9:]) if line.startswith(("| moba |", "| full |")) and
                      len(cells) > 10 else line)
