@@ -141,7 +141,6 @@ the last, from a timer (:class:`lit.training.ticker.Ticker`), while a step or ba
     """
 
     def __init__(self, every_seconds: float = DEFAULT_PROGRESS_SECONDS, clock=time.monotonic, ticking: bool = True):
-        self.every = every_seconds
         self.clock = clock
         self.ticker = Ticker(every_seconds, self.running_line, say, clock)
         self.ticking = ticking  # a line on a timer too, while a step or batch runs longer than the interval
@@ -169,12 +168,10 @@ the last, from a timer (:class:`lit.training.ticker.Ticker`), while a step or ba
             return self.training_line(trainer) if stage == "train" else self.evaluation_line(trainer, stage)
         running = duration(seconds)
         if stage == "train":
-            return self.training_line(trainer).replace(":", f" (step {trainer.global_step + 1} running for "
-                                                                  f"{running}):", 1)
+            return self.training_line(trainer, running=f" (step {trainer.global_step + 1} running for {running})")
         if self.eval is None or self.eval.batches == 0:
             return f"{stage}: batch 1 running for {running}"
-        return self.evaluation_line(trainer, stage).replace(":", f" (batch {self.eval.batches + 1} running for "
-                                                                 f"{running}):", 1)
+        return self.evaluation_line(trainer, stage, running=f" (batch {self.eval.batches + 1} running for {running})")
 
     @rank_zero_only
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -198,7 +195,8 @@ the last, from a timer (:class:`lit.training.ticker.Ticker`), while a step or ba
         self.train.tokens += batch_tokens(batch) * trainer.world_size
         self.say_if_due(lambda: self.training_line(trainer, step_loss(trainer, pl_module, outputs)))
 
-    def training_line(self, trainer: L.Trainer, loss: float | None = None) -> str:
+    def training_line(self, trainer: L.Trainer, loss: float | None = None, running: str = "") -> str:
+        """``step 37/100: ...``; ``running`` (`` (step 38 running for 1m 05s)``) goes before the colon."""
         step, pace = trainer.global_step, self.train
         seconds = pace.seconds(self.clock())
         total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else trainer.estimated_stepping_batches
@@ -208,7 +206,7 @@ the last, from a timer (:class:`lit.training.ticker.Ticker`), while a step or ba
         if taken > 0 and math.isfinite(total):
             parts.append(f"{duration((total - step) * seconds / taken)} left")
         shown_total = f"/{int(total)}" if math.isfinite(total) else ""
-        return f"step {step}{shown_total}: " + ", ".join(parts)
+        return f"step {step}{shown_total}{running}: " + ", ".join(parts)
 
     def start_evaluation(self, trainer: L.Trainer, stage: str) -> None:
         self.eval = Pace(self.clock())
@@ -219,7 +217,7 @@ the last, from a timer (:class:`lit.training.ticker.Ticker`), while a step or ba
         self.eval.tokens += batch_tokens(batch) * trainer.world_size
         self.say_if_due(lambda: self.evaluation_line(trainer, stage))
 
-    def evaluation_line(self, trainer: L.Trainer, stage: str) -> str:
+    def evaluation_line(self, trainer: L.Trainer, stage: str, running: str = "") -> str:
         pace = self.eval
         seconds = pace.seconds(self.clock())
         total = sum(getattr(trainer, EVAL_STAGES[stage], None) or [math.inf])
@@ -227,7 +225,7 @@ the last, from a timer (:class:`lit.training.ticker.Ticker`), while a step or ba
         parts = [f"{pace.tokens / seconds:,.0f} tokens/s"] if pace.tokens else []
         if math.isfinite(total):
             parts.append(f"{duration((total - pace.batches) * seconds / pace.batches)} left")
-        return f"{stage} batch {pace.batches}{shown_total}: " + ", ".join(parts)
+        return f"{stage} batch {pace.batches}{shown_total}{running}: " + ", ".join(parts)
 
     @rank_zero_only
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
