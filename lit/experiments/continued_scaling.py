@@ -269,13 +269,20 @@ def with_new_model_fields(settings: dict) -> dict:
     return settings
 
 
+def compared(settings: dict) -> dict:
+    """The settings two runs of one study must share: without ``checkpoint.dirpath``, which follows the
+    working directory (each part puts its checkpoints under its own folder), so a study resumes from anywhere."""
+    checkpoint = {k: v for k, v in settings.get("checkpoint", {}).items() if k != "dirpath"}
+    return {**settings, "checkpoint": checkpoint}
+
+
 def claim(study: dict) -> Path:
     """``<out>/study.jsonl``, after recording the settings in ``<out>/study.json`` or checking them."""
     out = Path(study["out"])
     settings = out / "study.json"
     recorded = json.loads(json.dumps({k: v for k, v in study.items() if k not in NOT_SETTINGS}))
     if settings.is_file():
-        if with_new_model_fields(json.loads(settings.read_text())) != recorded:
+        if compared(with_new_model_fields(json.loads(settings.read_text()))) != compared(recorded):
             raise UsageError("--out", f"{out} holds a continued-scaling study with other settings",
                              "give another --out, or the same arguments to resume it")
     else:

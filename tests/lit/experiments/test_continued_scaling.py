@@ -178,6 +178,17 @@ def test_a_study_recorded_before_a_model_field_existed_resumes_and_other_setting
         continued_scaling.claim(changed)
 
 
+def test_a_study_resumes_from_another_working_directory(setup, tmp_path, monkeypatch):
+    study = continued_scaling.parse(study_args(setup, tmp_path / "s"))
+    continued_scaling.claim(study)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the checkpoint callback's default folder follows the working directory
+    moved = continued_scaling.parse(study_args(setup, tmp_path / "s"))
+    assert moved["checkpoint"]["dirpath"] != study["checkpoint"]["dirpath"]
+    assert continued_scaling.claim(moved) == tmp_path / "s" / "study.jsonl"
+
+
 def test_training_compute_counts_moba_s_sparsity_and_the_full_layers():
     study = {"model": {"config": {"n_layers": 4, "d_model": 64, "n_heads": 2, "n_kv_heads": 1, "head_dim": 32,
                                   "moba": {"chunk_size": 64, "top_k": 2}}},
