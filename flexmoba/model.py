@@ -469,6 +469,12 @@ class GPT(nn.Module):
         With ``caches`` (one :class:`MoBAKVCache` per layer) the tokens continue what the
         caches hold, and their keys and values are appended: incremental decoding.
         """
+        return self.lm_head(self.hidden(tokens, caches))
+
+    def hidden(self, tokens: torch.Tensor, caches: list[MoBAKVCache] | None = None) -> torch.Tensor:
+        """``tokens: [B, S]`` int -> the last layer's normed states ``[B, S, C]``, what ``lm_head`` reads:
+        logits of a few positions without the ``[B, S, V]`` of all (at 32K positions and a 262K vocabulary,
+        34 GB in fp32)."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [B, S], got shape {tuple(tokens.shape)}")
         cfg = self.config
@@ -489,7 +495,7 @@ class GPT(nn.Module):
             x = x * torch.tensor(cfg.embedding_scale, dtype=x.dtype, device=x.device)
         for i, (block, base) in enumerate(zip(self.blocks, bases, strict=True)):
             x = block(x, *tables[base], layout, caches[i] if caches else None)
-        return self.lm_head(self.norm(x))
+        return self.norm(x)
 
     def new_caches(self, dense_decode: bool = False) -> list[MoBAKVCache]:
         """One empty cache per layer; ``dense_decode`` gives every query attending them full attention."""

@@ -113,6 +113,9 @@ class ContextEvalJob:
         seq_len: tokens per document scored (at most the model's context).
         documents: held-out documents scored per arm.
         window: width of the position windows.
+        scored_windows: the windows scored, by index (0: the first ``window`` positions), default all;
+            logits are computed only at the positions of these windows and the trailing ones (at 32K
+            positions and a large vocabulary the output layer is most of a forward's work).
         trailing: the last positions, reported on their own.
         root: the corpus folder (default: this Python's standard library).
         patterns: file globs of the corpus.
@@ -134,6 +137,7 @@ class ContextEvalJob:
     seq_len: int = 8192
     documents: int = 20
     window: int = 1024
+    scored_windows: list[int] | None = None
     trailing: int = 256
     root: str | None = None
     patterns: list[str] = field(default_factory=lambda: ["*.py"])  # lit.training.data.DEFAULT_PATTERNS
@@ -149,8 +153,25 @@ class ContextEvalJob:
     overwrite: bool = False
 
     def settings(self) -> dict:
-        """What fixes the records' meaning (a resumed job must agree on it)."""
-        return {k: v for k, v in asdict(self).items() if k not in ("out", "threads", "device", "overwrite")}
+        """What fixes the records' meaning (a resumed job must agree on it); ``scored_windows`` only when set,
+        so records written before it existed still resume."""
+        return {k: v for k, v in asdict(self).items() if k not in ("out", "threads", "device", "overwrite")
+                and not (k == "scored_windows" and v is None)}
+
+    def scored(self) -> list[int]:
+        """The indices of the windows scored."""
+        every = list(range(self.seq_len // self.window))
+        return every if self.scored_windows is None else sorted(set(self.scored_windows))
+
+    def positions(self):
+        """``[seq_len]`` bool: the positions whose next-token loss is computed (scored windows, trailing)."""
+        import torch
+
+        asked = torch.zeros(self.seq_len, dtype=torch.bool)
+        for index in self.scored():
+            asked[index * self.window: (index + 1) * self.window] = True
+        asked[-self.trailing:] = True
+        return asked
 
 
 # -- data -------------------------------------------------------------------------------------
@@ -233,15 +254,27 @@ def passkey_prompt(tokenizer, length: int, depth: float, key: int) -> tuple[list
 # -- scoring ----------------------------------------------------------------------------------
 
 
-def token_losses(model, ids: list[int]):
-    """Cross-entropy of each next token, ``[len(ids) - 1]`` fp32 (on the host)."""
+LOGIT_ROWS = 2048  # positions whose logits exist at once: [2048, V], 2 GB of fp32 at Gemma's 262K vocabulary
+
+
+def token_losses(model, ids: list[int], positions=None):
+    """Cross-entropy of each next token, ``[len(ids) - 1]`` fp32 (on the host); with ``positions`` (bool,
+    ``[len(ids) - 1]``) NaN where it is False: logits are computed only where it is True, ``LOGIT_ROWS``
+    positions at a time."""
     import torch
     import torch.nn.functional as F
 
     with torch.no_grad():
         tokens = torch.tensor(ids, dtype=torch.long, device=model_device(model))[None]
-        logits = model(tokens[:, :-1])[0]
-        return F.cross_entropy(logits.float(), tokens[0, 1:], reduction="none").cpu()
+        hidden = model.hidden(tokens[:, :-1])[0]
+        asked = torch.ones(hidden.shape[0], dtype=torch.bool) if positions is None else positions.cpu()
+        losses = torch.full((hidden.shape[0],), float("nan"))
+        rows = asked.nonzero()[:, 0]
+        for chunk in rows.split(LOGIT_ROWS):
+            at = chunk.to(hidden.device)
+            logits = model.lm_head(hidden[at]).float()
+            losses[chunk] = F.cross_entropy(logits, tokens[0, 1:][at], reduction="none").cpu()
+        return losses
 
 
 def model_device(model):
@@ -256,15 +289,19 @@ def answers(model, prompt: list[int], answer: list[int]) -> tuple[bool, float]:
     with torch.no_grad():
         ids = prompt + answer
         tokens = torch.tensor(ids, dtype=torch.long, device=model_device(model))[None]
-        logits = model(tokens[:, :-1])[0, len(prompt) - 1 :].float()
+        logits = model.lm_head(model.hidden(tokens[:, :-1])[0, len(prompt) - 1 :]).float()  # the answer's only
         target = torch.tensor(answer, device=logits.device)
         return bool((logits.argmax(-1) == target).all()), float(F.cross_entropy(logits, target))
 
 
-def window_means(losses, window: int, trailing: int) -> dict:
+def window_means(losses, window: int, trailing: int, scored: list[int] | None = None) -> dict:
+    """The mean loss of each window of ``scored`` (default every whole window), of the trailing positions,
+    and of every position computed (``losses`` is NaN where none was)."""
     windows = losses[: losses.numel() // window * window].view(-1, window).mean(1)
+    if scored is not None:
+        windows = windows[scored]
     return {"windows": [round(float(w), 6) for w in windows], "trailing": round(float(losses[-trailing:].mean()), 6),
-            "mean": round(float(losses.mean()), 6)}
+            "mean": round(float(losses.nanmean()), 6)}
 
 
 # -- records ----------------------------------------------------------------------------------
@@ -340,13 +377,16 @@ def mean_interval(values: list[float]) -> dict:
     return {"mean": mean, "low": mean - half, "high": mean + half, "n": n}
 
 
-def summarize(records: list[dict], arms: list[Arm], window: int) -> dict:
+def summarize(records: list[dict], arms: list[Arm], window: int, scored: list[int] | None = None) -> dict:
     """Per arm: each window's and the trailing mean over documents with intervals, the paired differences
-    to full attention, and the retrieval grid's share answered per (length, depth)."""
+    to full attention, and the retrieval grid's share answered per (length, depth). ``scored``: the indices
+    of the windows the records hold (default: every window from the first)."""
     position = [r for r in records if r["kind"] == "position"]
     by_arm = {arm.name: {r["document"]: r for r in position if r["arm"] == arm.name} for arm in arms}
     documents = sorted(set.intersection(*(set(d) for d in by_arm.values()))) if by_arm else []
-    summary = {"documents": documents, "window": window, "arms": {}}
+    if scored is None:
+        scored = list(range(len(position[0]["windows"]))) if position else []
+    summary = {"documents": documents, "window": window, "scored": scored, "arms": {}}
     for arm in arms:
         rows = [by_arm[arm.name][d] for d in documents]
         entry = {"label": arm.label()}
@@ -389,8 +429,7 @@ def window_label(index: int, window: int) -> str:
 
 def markdown(summary: dict, arms: list[Arm], job_line: str, machine: str, notes: list[str] = ()) -> str:
     window, n = summary["window"], len(summary["documents"])
-    first = next((e["windows"] for e in summary["arms"].values() if "windows" in e), [])
-    heads = [window_label(i, window) for i in range(len(first))]
+    heads = [window_label(i, window) for i in summary["scored"]]
     lines = [f"# Loss by position and passkey retrieval, {n} held-out documents", "", f"`{job_line}`", "",
              f"Machine: {machine}.", "",
              *(line for note in notes for line in (f"{note[0].upper()}{note[1:]}", "")),
@@ -433,7 +472,7 @@ def plot(summary: dict, arms: list[Arm], out: Path) -> None:
         entry = summary["arms"][arm.name]
         if "windows" not in entry:
             continue
-        x = [(i + 0.5) * window for i in range(len(entry["windows"]))]
+        x = [(i + 0.5) * window for i in summary["scored"]]
         for axis, key in ((top, "windows"), (bottom, "windows_minus_full")):
             values = entry.get(key)
             if values is None:
@@ -484,10 +523,11 @@ def plot_retrieval(grids: list, path: Path) -> None:
 def work_items(job: ContextEvalJob, arms: list[Arm], documents, tokenizer) -> list[tuple[dict, callable]]:
     """``(record key fields, score(model) -> result fields)`` of every measurement, documents first."""
     items = []
+    positions, scored = (None, None) if job.scored_windows is None else (job.positions(), job.scored())
     for name, ids in documents:
         for arm in arms:
-            items.append(({"kind": "position", "arm": arm.name, "document": name},
-                          lambda model, ids=ids: window_means(token_losses(model, ids), job.window, job.trailing)))
+            items.append(({"kind": "position", "arm": arm.name, "document": name}, lambda model, ids=ids: window_means(
+                token_losses(model, ids, positions), job.window, job.trailing, scored)))
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -524,6 +564,12 @@ def check_job(job: ContextEvalJob, checkpoint: dict) -> list[Arm]:
     if job.seq_len % job.window:
         raise UsageError("--window", f"seq_len {job.seq_len} must be a multiple of window {job.window}",
                          "give a window that divides --seq_len")
+    windows = job.seq_len // job.window
+    if job.scored_windows is not None and (not job.scored_windows or len(set(job.scored_windows)) != len(
+            job.scored_windows) or not all(0 <= i < windows for i in job.scored_windows)):
+        raise UsageError("--scored_windows", f"{job.scored_windows} must be distinct window indices in [0, "
+                         f"{windows})", f"give e.g. [0, {windows - 1}] (window i covers positions i * {job.window} "
+                         f"to (i + 1) * {job.window}), or leave it out for all {windows}")
     if job.trailing > job.seq_len:
         raise UsageError("--trailing", f"{job.trailing} positions exceed --seq_len {job.seq_len}",
                          f"give at most {job.seq_len}")
@@ -583,7 +629,7 @@ def run(job: ContextEvalJob) -> dict:
     arms = check_job(job, checkpoint)
     tokenizer = load_tokenizer(job, checkpoint)  # before the arms' fit: a byte-level model's real problem
     configs = {arm.name: arm.config(checkpoint_config(checkpoint)) for arm in arms}  # before any model is built
-    notes = dense_notes(arms, configs, job.seq_len)
+    notes = dense_notes(arms, configs, job.seq_len) + sliding_notes(checkpoint_config(checkpoint))
     for note in notes:
         sys.stderr.write(f"flexmoba: {note}\n")
     sys.stderr.flush()
@@ -633,6 +679,18 @@ def dense_notes(arms: list[Arm], configs: dict, seq_len: int) -> list[str]:
     return notes
 
 
+def sliding_notes(config) -> list[str]:
+    """``note: ...`` naming the layers an arm changes, when the model has sliding-window layers (they keep
+    their window in every arm)."""
+    types = config.types()
+    if "sliding" not in types:
+        return []
+    global_layers = [i for i, kind in enumerate(types) if kind == "global"]
+    return [f"note: the arms differ in the {len(global_layers)} global layers only (layers "
+            f"{', '.join(map(str, global_layers))} of {len(types)}); the {len(types) - len(global_layers)} "
+            f"sliding-window layers keep their {config.sliding_window}-token window in every arm"]
+
+
 def machine_name(device: str = "cpu") -> str:
     import torch
 
@@ -649,7 +707,7 @@ def machine_name(device: str = "cpu") -> str:
 
 
 def report(job: ContextEvalJob, arms: list[Arm], records: list[dict], out: Path, notes: list[str] = ()) -> dict:
-    summary = summarize(records, arms, job.window)
+    summary = summarize(records, arms, job.window, job.scored())
     summary["settings"] = job.settings()
     summary["notes"] = list(notes)
     (out / "results.json").write_text(json.dumps(summary, indent=1))

@@ -96,15 +96,20 @@ def odd_one(values: dict[str, object]) -> tuple[str, str] | None:
     return options[1], options[0]
 
 
+def scored_words(settings: dict) -> str:
+    scored = settings.get("scored_windows")
+    return "" if scored is None else f", scored_windows {scored}"
+
+
 def check_agreement(folders: dict[str, Path], settings: dict[str, dict], documents: dict[str, set]) -> None:
     """The three folders scored the same positions of the same documents; UsageError naming the one that differs."""
-    shown = {option: ", ".join(f"{k} {s[k]}" for k in SAME) for option, s in settings.items()}
+    shown = {option: ", ".join(f"{k} {s[k]}" for k in SAME) + scored_words(s) for option, s in settings.items()}
     odd = odd_one(shown)
     if odd:
         option, others = odd
         raise UsageError(option, f"{folders[option]} was scored at {shown[option]}; the others ({others}) at "
                          f"{shown[others.split(' and ')[0]]}", "give context-eval folders of the same --seq_len, "
-                         "--window and --trailing")
+                         "--window, --scored_windows and --trailing")
     odd = odd_one({option: sorted(names) for option, names in documents.items()})
     if odd:
         option, others = odd
@@ -135,7 +140,8 @@ def gap_closed(before: Path, moba: Path, control: Path, arm: str) -> dict:
     gap_before = arrays["base_moba"] - arrays["base_full"]
     gap_after = arrays["moba"] - arrays["control"]
     window = settings["--before"]["window"]
-    columns = [f"{i * window}-{(i + 1) * window}" for i in range(gap_before.shape[1] - 1)] + ["trailing"]
+    scored = settings["--before"].get("scored_windows") or range(gap_before.shape[1] - 1)
+    columns = [f"{i * window}-{(i + 1) * window}" for i in sorted(scored)] + ["trailing"]
     return {"arm": arm, "documents": documents, "windows": columns,
             "rows": [closed_share(gap_before[:, i], gap_after[:, i]) | {"window": c} for i, c in enumerate(columns)]}
 

@@ -200,3 +200,49 @@ def test_the_default_patterns_are_the_data_modules():
     from lit.training.data import DEFAULT_PATTERNS
 
     assert context_eval.ContextEvalJob(ckpt="a", out="b").patterns == list(DEFAULT_PATTERNS)
+
+
+def test_scored_windows_are_the_same_numbers_with_logits_only_where_scored(setup, finished, tmp_path, monkeypatch):
+    rows = []
+    real = context_eval.token_losses
+
+    def counting(model, ids, positions=None):
+        handle = model.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[:-1].numel()))
+        try:
+            return real(model, ids, positions)
+        finally:
+            handle.remove()
+
+    monkeypatch.setattr(context_eval, "token_losses", counting)
+    args = job_args(setup, tmp_path / "scored")
+    summary = context_eval.main([*args, "--scored_windows", "[3, 0]", "--retrieval_lengths", "[]"])
+    everything = json.loads((finished / "results.json").read_text())
+    assert summary["scored"] == [0, 3] and everything["scored"] == [0, 1, 2, 3]
+    for arm in ARMS:
+        ours, all_windows = summary["arms"][arm], everything["arms"][arm]
+        assert ours["windows"] == [all_windows["windows"][0], all_windows["windows"][3]]
+        assert ours["trailing"] == all_windows["trailing"]
+    # windows 0 and 3 of 32 positions (the trailing 16 inside window 3): 64 rows of logits per document and arm
+    assert rows == [2 * WINDOW] * (3 * len(ARMS))
+    assert "| 0–32 | 96–128 | trailing |" in (tmp_path / "scored" / "results.md").read_text()
+
+
+@pytest.mark.parametrize("scored", ["[]", "[4]", "[1, 1]", "[-1]"])
+def test_scored_windows_that_are_not_windows_are_refused_by_name(setup, tmp_path, scored):
+    with pytest.raises(UsageError, match=r"^--scored_windows: .* in \[0, 4\)"):
+        context_eval.main([*job_args(setup, tmp_path / "out"), "--scored_windows", scored])
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_passkey_computes_logits_at_the_answer_only(setup):
+    model = load_model(setup["checkpoint"])
+    rows = []
+    model.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[:-1].numel()))
+    prompt, answer = list(range(1, 40)), [5, 6, 7]
+    answered, loss = context_eval.answers(model, prompt, answer)
+    tokens = torch.tensor(prompt + answer)[None]
+    with torch.no_grad():
+        logits = model(tokens[:, :-1])[0, len(prompt) - 1:]
+    assert rows == [len(answer), len(prompt) + len(answer) - 1]  # ours, then the whole forward here
+    assert loss == pytest.approx(float(F.cross_entropy(logits, torch.tensor(answer))), abs=1e-6)
+    assert answered == bool((logits.argmax(-1) == torch.tensor(answer)).all())
