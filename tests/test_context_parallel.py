@@ -232,7 +232,7 @@ def test_bad_local_calls_are_refused_by_name():
 def test_two_gloo_processes_equal_one(tmp_path):
     """The all-gather and its backward over a real group: each rank's output and dq, dk, dv
     slices equal the single-process ones (MoBA with GQA and documents, through gather, sdpa and a
-    backend registered by the test; full attention)."""
+    backend registered by the test; full attention; the sliding window across the rank boundary)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(TESTS / "context_parallel_worker.py"), str(tmp_path)],
@@ -240,4 +240,5 @@ def test_two_gloo_processes_equal_one(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for rank in (0, 1):
         report = (tmp_path / f"rank{rank}.txt").read_text()
-        assert report.count("ok ") == 8 and "test-masked-softmax documents" in report, report
+        assert report.count("ok ") == 9 and "test-masked-softmax documents" in report, report
+        assert "ok sliding window gqa" in report, report
