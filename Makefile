@@ -77,11 +77,15 @@ test-torch-range: $(RANGE_VENVS:=/.installed)
 compare: venv
 	$(VENV)/bin/flexmoba compare
 
-# The packaged SmolLM2-135M as a flexmoba checkpoint and its tokenizer.json (configs/pretrained/smollm2.yaml reads them).
-pretrained: runs/pretrained/smollm2/model.ckpt
+# The packaged SmolLM2-135M and Gemma-3-270M as flexmoba checkpoints with their tokenizer.json
+# (configs/pretrained/smollm2*.yaml and gemma3_context.yaml read them).
+pretrained: runs/pretrained/smollm2/model.ckpt runs/pretrained/gemma3-270m/model.ckpt
 
 runs/pretrained/smollm2/model.ckpt: $(VENV)/.installed
 	$(VENV)/bin/flexmoba import-hf --source smollm2 --out runs/pretrained/smollm2 --overwrite true
+
+runs/pretrained/gemma3-270m/model.ckpt: $(VENV)/.installed
+	$(VENV)/bin/flexmoba import-hf --source gemma3-270m --out runs/pretrained/gemma3-270m --overwrite true
 
 sweep: venv
 	$(VENV)/bin/flexmoba sweep configs/sweep/toy.yaml
