@@ -16,7 +16,8 @@ trained once. Budgets go in ascending order, every arm at a budget before the ne
 
 Everything lands in ``--out`` as it finishes: ``<arm>/trunk`` and ``<arm>/b<budget>`` (Lightning runs,
 resumed from their last checkpoint when killed), ``<arm>/b<budget>/eval`` (context-eval's records), and
-``study.jsonl``, one record per finished part with its wall time. Started again with the same arguments
+``study.jsonl``, one record per finished part with its wall time (``running.json`` keeps the running part's
+seconds, so a part killed and resumed counts both runs). Started again with the same arguments
 it goes on where it stopped, after a line with the estimated wall time of what remains (from the step
 and evaluation times measured so far); an ``--out`` holding a study with other settings is refused.
 ``flexmoba continued-scaling-report`` turns the records into tables and figures
@@ -38,6 +39,7 @@ from lit.training.data import DEFAULT_PATTERNS
 from lit.training.errors import UsageError
 from lit.training.guards import newest_intact_checkpoint
 from lit.training.launch import read_config, run_cli, saved_step
+from lit.training.ticker import Ticker
 
 PROG = "flexmoba continued-scaling"
 STUDY_KEYS = ("out", "arms", "budgets", "decay_fraction", "eval_seq_len", "eval_documents", "eval_window",
@@ -297,6 +299,39 @@ def claim(study: dict) -> Path:
     return out / "study.jsonl"
 
 
+RUNNING = "running.json"  # the part running and its seconds so far: a killed part's time is not lost
+CLOCK_SECONDS = 30.0
+
+
+def seconds_before(out: Path, part: dict) -> float:
+    """The seconds ``part`` ran in earlier runs of the study, killed during it (0 for a part begun now)."""
+    try:
+        running = json.loads((out / RUNNING).read_text())
+        return float(running["seconds"]) if running["part"] == list(part_key(part)) else 0.0
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.0
+
+
+def note_running(out: Path, part: dict, seconds: float) -> None:
+    written = out / f"{RUNNING}.tmp"
+    written.write_text(json.dumps({"part": list(part_key(part)), "seconds": round(seconds, 1)}))
+    written.replace(out / RUNNING)
+
+
+def timed_part(study: dict, part: dict) -> float:
+    """Run ``part``; the seconds it took, those of earlier runs killed during it included."""
+    out = Path(study["out"])
+    before, started = seconds_before(out, part), time.monotonic()
+
+    def clock() -> float:
+        return before + time.monotonic() - started
+
+    # the ticker's line says nothing: it keeps the part's seconds on disk for a run killed during it
+    with Ticker(CLOCK_SECONDS, lambda: note_running(out, part, clock()), lambda line: None):
+        run_part(study, part)
+    return clock()
+
+
 def run(study: dict) -> Path:
     from lit.experiments.context_eval import append_record, machine_name, read_records
 
@@ -309,10 +344,8 @@ def run(study: dict) -> Path:
     for i, part in enumerate(parts, 1):
         print(f"[continued-scaling] part {i}/{len(parts)}: {part['part']} {part['arm']} budget {part['budget']}",
               flush=True)
-        started = time.monotonic()
         steps = trained_steps(part, records) if part["part"] != "eval" else 0
-        run_part(study, part)
-        record = {**part, "seconds": round(time.monotonic() - started, 1), "steps": steps, "machine": machine_name()}
+        record = {**part, "seconds": round(timed_part(study, part), 1), "steps": steps, "machine": machine_name()}
         if part["part"] == "trunk":
             record["steps_total"] = part["steps"]
         append_record(records_path, record)

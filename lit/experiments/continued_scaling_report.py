@@ -209,7 +209,8 @@ def summarize(settings: dict, parts: list[dict], evals: dict) -> dict:
         for w in range(len(labels)):
             if (arm, w) not in laws:
                 continue
-            entry = {"arm": arm, "window": labels[w], "a": laws[(arm, w)].a, "b": laws[(arm, w)].b}
+            entry = {"arm": arm, "window": labels[w], "a": laws[(arm, w)].a, "b": laws[(arm, w)].b,
+                     "budgets": [b for b in budgets if b > 0 and (arm, b) in values]}
             if arm != FULL and (FULL, w) in laws:
                 largest = max(computes[(a, b)] for a in (arm, FULL) for b in budgets if b > 0 and (a, b) in values)
                 entry["meets_full_at"] = meeting(laws, arm, w, largest)
@@ -305,15 +306,22 @@ def markdown(settings: dict, summary: dict, machines: list[str]) -> str:
     if not summary["projections"]:
         lines.append("No arm has two trained budgets yet: no power law fitted.")
     else:
-        lines += ["| arm | window | fit L = a C^b | gap fit (minus full) | meets full at (PFLOP/s-days) | "
-                  "95% interval (resampled documents) | share of resamples meeting |", "|---|---|---|---|---|---|---|"]
+        fewest = min(len(p["budgets"]) for p in summary["projections"])
+        if fewest == 2:
+            lines += ["A fit through two budgets passes through both exactly: it shows a direction, not that the "
+                      "loss follows a power law; the fits through three budgets or more have residuals to judge "
+                      "them by.", ""]
+        lines += ["| arm | window | budgets fitted | fit L = a C^b | gap fit (minus full) | meets full at "
+                  "(PFLOP/s-days) | 95% interval (resampled documents) | share of resamples meeting |",
+                  "|---|---|---|---|---|---|---|---|"]
         for p in summary["projections"]:
             gap = p.get("gap_fit")
             gap_text = f"{gap['g']:.3g} C^{gap['exponent']:.3f}" if gap else "—"
             meets = p.get("meets_full_at")
             boot = p.get("meeting_bootstrap") or {}
             interval = boot.get("interval")
-            lines.append(f"| {label(p['arm'])} | {p['window']} | {p['a']:.3f} C^{p['b']:.4f} | "
+            lines.append(f"| {label(p['arm'])} | {p['window']} | {', '.join(map(str, p['budgets']))} | "
+                         f"{p['a']:.3f} C^{p['b']:.4f} | "
                          f"{gap_text if p['arm'] != FULL else ''} | "
                          f"{'' if p['arm'] == FULL else (f'{meets:.3g}' if meets else 'do not meet ahead')} | "
                          f"{f'{interval[0]:.3g} – {interval[1]:.3g}' if interval else ''} | "

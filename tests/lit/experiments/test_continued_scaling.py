@@ -189,6 +189,33 @@ def test_a_study_resumes_from_another_working_directory(setup, tmp_path, monkeyp
     assert continued_scaling.claim(moved) == tmp_path / "s" / "study.jsonl"
 
 
+def test_a_part_killed_and_resumed_keeps_the_seconds_it_ran_before(setup, tmp_path, monkeypatch):
+    study = continued_scaling.parse(study_args(setup, tmp_path / "s"))
+    monkeypatch.setattr(continued_scaling, "run_part", lambda study, part: None)
+    first = continued_scaling.plan(study)[0]
+    continued_scaling.claim(study)
+    continued_scaling.note_running(tmp_path / "s", first, 500.0)  # what a run killed 500 s into it left
+    continued_scaling.run(study)
+    seconds = {continued_scaling.part_key(r): r["seconds"]
+               for r in map(json.loads, (tmp_path / "s" / "study.jsonl").read_text().splitlines())}
+    assert 500 <= seconds[continued_scaling.part_key(first)] < 510
+    assert all(s < 10 for key, s in seconds.items() if key != continued_scaling.part_key(first))
+
+
+def test_the_running_part_s_seconds_are_written_while_it_runs(setup, tmp_path, monkeypatch):
+    study = continued_scaling.parse(study_args(setup, tmp_path / "s"))
+    monkeypatch.setattr(continued_scaling, "CLOCK_SECONDS", 0.05)
+    seen = []
+
+    def slow(study, part):
+        time.sleep(0.3)
+        seen.append(continued_scaling.seconds_before(tmp_path / "s", part))
+
+    monkeypatch.setattr(continued_scaling, "run_part", slow)
+    continued_scaling.run(study)
+    assert all(0.05 <= s <= 0.35 for s in seen), seen
+
+
 def test_training_compute_counts_moba_s_sparsity_and_the_full_layers():
     study = {"model": {"config": {"n_layers": 4, "d_model": 64, "n_heads": 2, "n_kv_heads": 1, "head_dim": 32,
                                   "moba": {"chunk_size": 64, "top_k": 2}}},

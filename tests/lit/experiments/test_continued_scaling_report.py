@@ -101,6 +101,11 @@ def test_a_partial_study_says_so_and_names_what_is_not_scored(tmp_path):
     text = (tmp_path / "out" / "results.md").read_text()
     assert "PARTIAL: 6 of 8 models scored" in text
     assert "Not scored yet: full attention 40, MoBA 64/2 40." in text
+    assert "A fit through two budgets passes through both exactly" in text  # 10 and 20 only
+    assert "| MoBA 64/2 | " in text and "| 10, 20 | " in text
+    whole = report.report(report.ReportJob(str(write_study(tmp_path / "whole", noise=0.05)), str(tmp_path / "w")))
+    assert {tuple(p["budgets"]) for p in whole["projections"]} == {(10, 20, 40)}
+    assert "passes through both exactly" not in (tmp_path / "w" / "results.md").read_text()
 
 
 def test_the_committed_report_is_the_one_its_committed_records_give(tmp_path):
