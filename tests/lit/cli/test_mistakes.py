@@ -141,6 +141,8 @@ MISTAKES = [
         ("--documents", "-2", "--documents: must be a positive int, got -2"),
         ("--trailing", "0", "--trailing: must be a positive int, got 0"),
         ("--trailing", "256", "--trailing: 256 positions exceed --seq_len 128"),
+        ("--scored_windows", "[4]", "--scored_windows: [4] must be distinct window indices in [0, 4)"),
+        ("--scored_windows", "[]", "--scored_windows: [] must be distinct window indices in [0, 4)"),
         ("--seq_len", "0", "--seq_len: must be a positive int, got 0"),
         ("--seq_len", "-128", "--seq_len: must be a positive int, got -128"),
         ("--retrieval_trials", "0", "--retrieval_trials: must be a positive int, got 0"),
