@@ -207,9 +207,11 @@ def test_ctrl_c_ends_a_fit_with_the_step_reached_and_the_command_that_resumes_it
     last = stderr.strip().splitlines()[-1]
     said = re.fullmatch(r"flexmoba: interrupted at step (\d+) \(resumes from step (\d+)\); resume with: (.*)", last)
     assert said, last
-    reached = max(int(line.split()[2].split("/")[0]) for line in stderr.splitlines()
+    printed = max(int(line.split()[2].split("/")[0]) for line in stderr.splitlines()
                   if line.startswith("flexmoba: step "))
-    assert int(said[1]) == reached and 2 <= int(said[2]) <= reached and int(said[2]) % 2 == 0, last
+    # Ctrl-C can land after a step's optimizer update and before its progress line: one step past the last line
+    assert printed <= int(said[1]) <= printed + 1, last
+    assert 2 <= int(said[2]) <= int(said[1]) and int(said[2]) % 2 == 0, last
     assert said[3] == shlex.join(["flexmoba", *interrupted_fit["args"], "--ckpt_path", "last"]), said[3]
     code, resumed = interrupted_fit["resumed"]  # the command it names, run: it goes on from that checkpoint
     first_step = next(line for line in resumed.splitlines() if line.startswith("flexmoba: step "))

@@ -202,6 +202,29 @@ def test_a_part_killed_and_resumed_keeps_the_seconds_it_ran_before(setup, tmp_pa
     assert all(s < 10 for key, s in seconds.items() if key != continued_scaling.part_key(first))
 
 
+def test_a_study_moved_without_its_checkpoints_trains_each_trunk_again_and_records_the_steps_it_ran(
+        setup, tmp_path, monkeypatch):
+    study = continued_scaling.parse(study_args(setup, tmp_path / "s"))
+    monkeypatch.setattr(continued_scaling, "run_part", lambda study, part: None)
+    continued_scaling.claim(study)
+    plan = continued_scaling.plan(study)
+    first_budget = [p for p in plan if p["budget"] in (0, 4)]  # scored, its checkpoints left on the old machine
+    with open(tmp_path / "s" / "study.jsonl", "w") as records:
+        for part in first_budget:
+            done = {**part, "seconds": 1.0, "steps": part.get("steps", 0)}
+            if part["part"] == "trunk":
+                done["steps_total"] = part["steps"]
+            records.write(json.dumps(done) + "\n")
+    trunk_full = next(p for p in plan if p["part"] == "trunk" and p["arm"] == "full" and p["budget"] == 8)
+    continued_scaling.note_running(tmp_path / "s", trunk_full, 50.0, from_step=0)  # killed once, trained from 0
+    continued_scaling.run(study)
+    ran = [json.loads(line) for line in (tmp_path / "s" / "study.jsonl").read_text().splitlines()]
+    trunks = {r["arm"]: r for r in ran[len(first_budget):] if r["part"] == "trunk"}
+    # the budget-8 trunk goes to step 4 from step 0, not from the recorded 2: 4 steps ran, as the record says
+    assert {arm: (r["steps"], r["steps_total"]) for arm, r in trunks.items()} == {"full": (4, 4), "moba:16:2": (4, 4)}
+    assert trunks["full"]["seconds"] >= 50 and trunks["moba:16:2"]["seconds"] < 50
+
+
 def test_the_running_part_s_seconds_are_written_while_it_runs(setup, tmp_path, monkeypatch):
     study = continued_scaling.parse(study_args(setup, tmp_path / "s"))
     monkeypatch.setattr(continued_scaling, "CLOCK_SECONDS", 0.05)
