@@ -4,11 +4,11 @@ For each S and MoBA config (chunk/top-k), times the forward, and forward+backwar
 the device allows (flex has no CPU backward), of:
 
     moba_flex         MoBA, token granularity (the paper), compiled flex over regrouped queries
-                      (flexmoba.flex_plan; on CPU with the sink key for the log-sum-exp)
+                      (flexmoba.backends.flex.plan; on CPU with the sink key for the log-sum-exp)
     moba_flex_union   the same through the union BlockMask in the original query order
     moba_flex_tile    the union BlockMask at tile granularity (--tile, default 128): exactly sparse
     moba_sdpa         MoBA as a dense [B, H, S, S] bool mask into SDPA (skipped past --dense_max_seq)
-    moba_gather       MoBA by regrouping queries per selected chunk (flexmoba.gather)
+    moba_gather       MoBA by regrouping queries per selected chunk (flexmoba.backends.gather.kernel)
     full_flex_causal  compiled flex with a causal BlockMask built from tables
     sdpa_causal       F.scaled_dot_product_attention(is_causal=True), the reference for speedups
 
@@ -62,8 +62,8 @@ from benchmarks.common import (
 )
 from benchmarks.verdict import one_line
 from flexmoba import compiled_flex_attention, moba_attention, select_chunks, selection_block_mask
-from flexmoba.flex_plan import plan_from_selection
-from flexmoba.gather import gather_plan
+from flexmoba.backends.flex.plan import plan_from_selection
+from flexmoba.backends.gather.kernel import gather_plan
 from flexmoba.masks import dense_moba_mask
 from flexmoba.pair_counts import selection_pairs
 

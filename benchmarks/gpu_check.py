@@ -38,7 +38,7 @@ from benchmarks.common import OneLineArgumentParser, markdown_table
 from benchmarks.device import describe
 from benchmarks.verdict import one_line, verdict
 from flexmoba import moba_attention, moba_reference, select_chunks, selection_block_mask
-from flexmoba.compiled_flex import active_flex_attention
+from flexmoba.backends.flex.compiled import active_flex_attention
 
 METHODS = ("moba_flex", "moba_flex_union", "moba_gather", "sdpa_causal")  # what gpu.sh times
 TOLERANCE = {"float32": 5e-3, "bfloat16": 3e-2, "float16": 1e-2}  # of max |ref|

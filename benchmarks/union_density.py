@@ -6,7 +6,7 @@ tile size, this reports:
 
     union density     blocks the union mask visits / causal blocks
     union visited     (query, key) pairs in those blocks / pairs MoBA attends
-    regrouped visited the same for the regrouped plan (flexmoba.flex_plan, block 128)
+    regrouped visited the same for the regrouped plan (flexmoba.backends.flex.plan, block 128)
 
 1.0 visited/attended is perfectly sparse; a dense causal kernel sits at the FLOP ideal.
 No timing: the counts come from the block tables.
@@ -32,7 +32,7 @@ from benchmarks.common import (
     print_row,
 )
 from flexmoba import select_chunks, selection_block_mask
-from flexmoba.flex_plan import plan_from_selection
+from flexmoba.backends.flex.plan import plan_from_selection
 from flexmoba.pair_counts import selection_pairs
 
 COLUMNS = [

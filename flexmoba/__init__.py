@@ -1,4 +1,6 @@
-"""flexmoba: MoBA (Mixture of Block Attention) as a dynamic FlexAttention BlockMask.
+"""flexmoba: exact MoBA (Mixture of Block Attention) for PyTorch: one gate, then one of several exact
+backends (FlexAttention's block-sparse plan or union BlockMask, a gather kernel, SDPA with a dense mask),
+for training, decoding and context parallelism.
 
 Tensors are ``[B, H, S, D]``; keys and values may have fewer heads (``H % H_kv == 0``).
 """
@@ -7,10 +9,10 @@ __version__ = "0.1.0"  # the one place the version is written; pyproject.toml re
 
 from flexmoba.attention import moba_attention
 from flexmoba.backends import backend_names, register_backend
-from flexmoba.block_mask import moba_block_mask, selection_block_mask
-from flexmoba.compiled_flex import compiled_flex_attention, use_flex_attention
+from flexmoba.backends.flex.block_mask import moba_block_mask, selection_block_mask
+from flexmoba.backends.flex.compiled import compiled_flex_attention, use_flex_attention
+from flexmoba.backends.flex.plan import MoBAFlexPlan, moba_flex_plan
 from flexmoba.decode import moba_decode_attention
-from flexmoba.flex_plan import MoBAFlexPlan, moba_flex_plan
 from flexmoba.gate import Selection, moba_selection, select_chunks
 from flexmoba.kv_cache import MoBAKVCache
 from flexmoba.masks import dense_moba_mask, moba_mask_mod

@@ -31,10 +31,11 @@ from torch.nn.attention.flex_attention import create_block_mask
 from flexmoba import validation
 from flexmoba.backends import get_context_parallel_backend, resolve_context_parallel_backend
 from flexmoba.backends.checked import checked_attend
-from flexmoba.compiled_flex import active_flex_attention, custom_flex_attention
+from flexmoba.backends.flex.compiled import active_flex_attention, custom_flex_attention
+from flexmoba.dense import dense_attention, dense_attention_backward
 from flexmoba.gate import select_local_chunks
-from flexmoba.gather import dense_attention, dense_attention_backward
 from flexmoba.layout import document_starts
+from flexmoba.lse_merge import merge_two
 from flexmoba.pair_counts import selection_pairs
 from flexmoba.spec import MobaSpec, takes_settings
 
@@ -164,7 +165,7 @@ class _OffsetCausal(torch.autograd.Function):
         if query_start == 0:
             out, lse = local
         else:
-            out, lse = _merge_two(local, _from_groups(dense_attention(*parts["past"], False, scale), q.shape))
+            out, lse = merge_two(local, _from_groups(dense_attention(*parts["past"], False, scale), q.shape))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.query_start, ctx.scale = query_start, scale
         return out.reshape(q.shape[:3] + v.shape[-1:])
@@ -210,14 +211,6 @@ def _from_groups(part, q_shape):
     out, lse = part
     B, H, S, _ = q_shape
     return out.reshape(B * H, 1, S, out.shape[-1]), lse.reshape(B * H, 1, S)
-
-
-def _merge_two(a, b):
-    """Two parts ``(out, lse)`` of one softmax, merged by log-sum-exp."""
-    (out_a, lse_a), (out_b, lse_b) = a, b
-    lse = torch.logaddexp(lse_a, lse_b)
-    out = out_a.float() * torch.exp(lse_a - lse)[..., None] + out_b.float() * torch.exp(lse_b - lse)[..., None]
-    return out.to(out_a.dtype), lse
 
 
 def local_causal_mask(query_start: int, length: int, key_len: int, doc_start: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,8 @@ One dispatch, as for attention: the settings are a :class:`flexmoba.MobaSpec` (t
 fixes the chunk size), :func:`flexmoba.backends.resolve_decode_backend` resolves
 ``"auto"`` (dense attention while MoBA equals it, ``gather`` for a few new queries,
 ``sdpa`` for many), the gate runs once (:func:`flexmoba.gate.select_against_means`) and
-the backend's ``decode`` reads the selected keys (:mod:`flexmoba.decode_kernels`). A
-backend without ``decode`` (``"flex"``, ``"flex_union"``) is refused by name.
+the backend's ``decode`` reads the selected keys (its folder's ``decode`` module, e.g.
+:mod:`flexmoba.backends.gather.decode`). A backend without ``decode`` (``"flex"``, ``"flex_union"``) is refused by name.
 
 A row may start with padding (left padding, as in batched generation): ``start[b]`` is
 the first real position of row b; chunks are counted from there, and real queries never
@@ -29,7 +29,8 @@ import torch
 from flexmoba import validation
 from flexmoba.backends import get_decode_backend, resolve_decode_backend
 from flexmoba.backends.checked import checked_decode
-from flexmoba.decode_kernels import DecodeStep, dense_causal_attention, query_places
+from flexmoba.backends.protocol import DecodeStep, query_places
+from flexmoba.dense import dense_causal_attention
 from flexmoba.gate import select_against_means
 from flexmoba.kv_cache import ChunkKeySums, MoBAKVCache
 

@@ -3,7 +3,7 @@
 Chunk means come from running per-chunk key sums (:class:`ChunkKeySums`), so absorbing a
 new key costs O(D) instead of re-pooling all ``T`` keys every step. On demand the sums also
 keep each chunk's keys transposed, ``[D, chunk_size]``, the layout the ``"gather"``
-backend's fp32 decode kernel reads (:mod:`flexmoba.decode_kernels`); it costs one extra copy
+backend's fp32 decode kernel reads (:mod:`flexmoba.backends.gather.decode`); it costs one extra copy
 of the keys in memory.
 
 A row may start with padding (left padding, as in batched generation): ``start[b]`` is

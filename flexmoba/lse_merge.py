@@ -1,6 +1,18 @@
-"""Merge a query's partial attention outputs by their log-sum-exp, one slot at a time.
+"""Partial attention outputs merged by their log-sum-exp: every path that merges parts of one softmax.
 
-The regrouped flex plan (:mod:`flexmoba.flex_plan`) gives each (query, selected chunk) pair its
+- :func:`merge_by_lse`: the flex plan's slots, one at a time (below);
+- :func:`merge_pairs`: the ``gather`` kernel's own parts with their past (query, chunk) pairs, per query;
+- :func:`merge_into` and :func:`merge_in_place`: one part into a running output, in place (the ``gather``
+  kernel's long sequences, a chunk's two causal halves);
+- :func:`merge_two`: two whole parts (context parallelism's local and past keys).
+
+A part is ``(out, lse)``: its output over some keys and the log-sum-exp of its logits, fp32; a part that
+attends nothing has lse -inf and adds nothing.
+
+The slots of the flex plan
+--------------------------
+
+The regrouped flex plan (:mod:`flexmoba.backends.flex.plan`) gives each (query, selected chunk) pair its
 own virtual row: an output over that chunk's keys and the row's log-sum-exp. A query's MoBA
 output is the softmax-weighted sum of its rows' outputs:
 
@@ -19,7 +31,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["merge_by_lse", "query_lse"]
+__all__ = ["index_add_parts", "merge_by_lse", "merge_in_place", "merge_into", "merge_pairs", "merge_two",
+           "query_lse"]
 
 
 def _slot(out: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
@@ -107,3 +120,59 @@ def merge_by_lse(out: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, valid
         ``[B, H, S, Dv]`` in ``out``'s dtype, summed in fp32 (or wider inputs' dtype).
     """
     return _MergeByLse.apply(out, lse, rows, valid)
+
+
+def merge_into(out, lse, query, part_out, part_lse) -> None:
+    """Merge one part (``part_out: [m, Dv]``, ``part_lse: [m]``, of the distinct queries ``query: [m]``)
+    into the running ``out: [N, Dv]`` fp32 and ``lse: [N]`` fp32 by log-sum-exp, in place.
+
+    Only the part's rows are read and written, so a long sequence's past chunks merge one at a
+    time without a buffer of every pair's output.
+    """
+    rows, rows_lse = out.index_select(0, query), lse.index_select(0, query)
+    merge_in_place(rows, rows_lse, part_out.float(), part_lse)
+    out.index_copy_(0, query, rows)
+    lse.index_copy_(0, query, rows_lse)
+
+
+def merge_in_place(out, lse, part_out, part_lse) -> None:
+    """Merge a part (``part_out: [..., Dv]``, ``part_lse: [...]``) into the running fp32 ``out: [..., Dv]``
+    and ``lse: [...]`` (views are written through) by log-sum-exp, in place."""
+    merged = torch.logaddexp(lse, part_lse)
+    out.mul_(torch.exp(lse - merged)[..., None])
+    out.addcmul_(part_out, torch.exp(part_lse - merged)[..., None])
+    lse.copy_(merged)
+
+
+def merge_pairs(own_out, own_lse, query, pair_lse, pair_outs: list[torch.Tensor]):
+    """Merge each query's own part (``[N, Dv]``, ``[N]``) with its past pairs (``query, pair_lse: [n]``)
+    by log-sum-exp, accumulated per query; a pair of lse -inf adds nothing. The pairs' outputs come
+    in consecutive parts, ``pair_outs[i]: [n_i, Dv]``. Overwrites fp32 ``own_out`` and ``pair_outs``
+    (no temporaries of their size).
+
+    Returns (out ``[N, Dv]`` fp32, lse ``[N]`` fp32).
+    """
+    top = own_lse.scatter_reduce(0, query, pair_lse, "amax")
+    top = torch.where(torch.isfinite(top), top, 0.0)
+    total = torch.exp(own_lse - top).index_add_(0, query, torch.exp(pair_lse - top.index_select(0, query)))
+    lse = top + torch.log(total)
+    out = own_out.float().mul_(torch.exp(own_lse - lse)[:, None])
+    weights = torch.exp(pair_lse - lse.index_select(0, query)).split([len(part) for part in pair_outs])
+    index_add_parts(out, query, [part.float().mul_(w[:, None]) for part, w in zip(pair_outs, weights, strict=True)])
+    return out, lse
+
+
+def index_add_parts(out: torch.Tensor, index: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    """``out.index_add_(0, index, cat(parts))`` without the cat: ``parts`` hold consecutive runs of
+    ``index``'s rows (any leading shape, rows of ``out.shape[-1]``)."""
+    rows = [part.reshape(-1, out.shape[-1]) for part in parts]
+    for part, part_index in zip(rows, index.split([len(r) for r in rows]), strict=True):
+        out.index_add_(0, part_index, part)
+
+
+def merge_two(a, b):
+    """Two parts ``(out, lse)`` of one softmax, merged by log-sum-exp."""
+    (out_a, lse_a), (out_b, lse_b) = a, b
+    lse = torch.logaddexp(lse_a, lse_b)
+    out = out_a.float() * torch.exp(lse_a - lse)[..., None] + out_b.float() * torch.exp(lse_b - lse)[..., None]
+    return out.to(out_a.dtype), lse

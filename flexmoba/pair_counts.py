@@ -3,7 +3,7 @@
 Full causal attention: query t attends ``t + 1`` keys. MoBA: its own chunk causally plus
 ``min(top_k - 1, t // chunk_size)`` whole past chunks. The counts are O(1) to compute, so
 the FLOP accounting (``4 H D`` FLOPs per pair, :meth:`flexmoba.model.ModelConfig.flops_per_token`)
-and the flex plan's static sizes (:func:`flexmoba.flex_plan.virtual_lengths`) can ask for
+and the flex plan's static sizes (:func:`flexmoba.backends.flex.plan.virtual_lengths`) can ask for
 them on every batch. :func:`selection_pairs` counts the pairs of a selection already made.
 """
 

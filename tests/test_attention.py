@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flexmoba import compiled_flex_attention, moba_attention, moba_block_mask, moba_reference, select_chunks
-from flexmoba.gather import gather_moba_attention
+from flexmoba.backends.gather.kernel import gather_moba_attention
 
 import oracle
 from strategies import flex_problems, problems, run_backend, seeded_randn, with_examples

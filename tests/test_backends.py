@@ -21,7 +21,7 @@ from flexmoba import (
 from flexmoba import backends as backend_table
 from flexmoba.backends import registry, resolve_backend, resolve_decode_backend
 from flexmoba.backends.checked import checked_attend
-from flexmoba.decode_kernels import DecodeStep
+from flexmoba.backends.protocol import DecodeStep
 from flexmoba.gate import Selection, select_local_chunks
 from flexmoba.spec import MobaSpec
 from flexmoba.tuning import tuning_for
@@ -40,7 +40,7 @@ def run(backend, q, k, v, **kwargs):
     """Flex backends run under no_grad and through eager flex: the mask_mod and the plan,
     without compiling a kernel per drawn shape (compiled kernels: fixed shapes, elsewhere)."""
     if backend in FLEX_BACKENDS:
-        with torch.no_grad(), mock.patch("flexmoba.compiled_flex._compiled_flex", flex_attention):
+        with torch.no_grad(), mock.patch("flexmoba.backends.flex.compiled._compiled_flex", flex_attention):
             return moba_attention(q, k, v, backend=backend, **kwargs)
     return moba_attention(q, k, v, backend=backend, **kwargs)
 
@@ -73,7 +73,7 @@ def test_every_backend_matches_the_official_vectors(conformance_dir, backend):
     assert CASES, f"no official vectors in {conformance_dir}"
     for case in CASES:
         q, k, v = (case[name] for name in "qkv")
-        with torch.no_grad(), mock.patch("flexmoba.compiled_flex._compiled_flex", flex_attention):
+        with torch.no_grad(), mock.patch("flexmoba.backends.flex.compiled._compiled_flex", flex_attention):
             out = moba_attention_varlen(q, k, v, case["cu_seqlens"], chunk_size=case["chunk_size"],
                                         top_k=case["top_k"], backend=backend)
         torch.testing.assert_close(out, case["out"], atol=1e-5, rtol=0, msg=case["name"])

@@ -8,7 +8,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import _transpose_ordered, flex_attention
 
-import flexmoba.block_mask as block_mask_module
+import flexmoba.backends.flex.block_mask as block_mask_module
 from flexmoba import (
     compiled_flex_attention,
     moba_block_mask,
@@ -17,7 +17,7 @@ from flexmoba import (
     select_chunks,
     selection_block_mask,
 )
-from flexmoba.block_mask import listed_width, transposed_table
+from flexmoba.backends.flex.block_mask import listed_width, transposed_table
 
 import oracle
 from strategies import EXAMPLES, FLEX_SHAPES, problems, random_inputs

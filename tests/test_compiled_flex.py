@@ -5,7 +5,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 from flexmoba import compiled_flex_attention, moba_block_mask
-from flexmoba.compiled_flex import FLEX_RECOMPILE_LIMIT, with_recompile_limit
+from flexmoba.backends.flex.compiled import FLEX_RECOMPILE_LIMIT, with_recompile_limit
 
 from strategies import random_inputs
 

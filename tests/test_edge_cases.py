@@ -25,12 +25,12 @@ from flexmoba import (
     moba_flex_plan,
     select_chunks,
 )
-from flexmoba.backends.sdpa import local_dense_mask
+from flexmoba.backends.gather.kernel import BLOCK_UNITS
+from flexmoba.backends.sdpa.backend import local_dense_mask
 from flexmoba.decode import moba_decode_attention
 from flexmoba.gate import select_against_means, select_local_chunks
 from flexmoba.gate.maxima import best_rows
 from flexmoba.gate.ties import candidate_rows, chunk_of_row
-from flexmoba.gather import BLOCK_UNITS
 from flexmoba.kv_cache import ChunkKeySums, MoBAKVCache
 from flexmoba.tuning import tuning_for, use_tuning
 

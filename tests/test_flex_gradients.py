@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from torch.nn.attention.flex_attention import flex_attention
 
 from flexmoba import moba_attention, moba_flex_plan, moba_reference, use_flex_attention
-from flexmoba.compiled_flex import active_flex_attention, custom_flex_attention
+from flexmoba.backends.flex.compiled import active_flex_attention, custom_flex_attention
 from flexmoba.tuning import use_tuning
 
 import oracle
@@ -84,7 +84,7 @@ def test_plan_without_the_sink_has_reference_gradients_on_drawn_problems(problem
 @pytest.mark.parametrize("name", ["mha", "gqa", "documents", "ragged", "top_k_1"])
 def test_plan_in_pieces_has_reference_gradients(name):
     """One block of virtual rows per piece: the forward keeps no virtual rows, the backward runs each
-    piece's flex call again (flexmoba.recomputed_plan)."""
+    piece's flex call again (flexmoba.backends.flex.recompute)."""
     with use_tuning("cpu", flex_table_entries=1):
         check_against_the_reference(plan_attention(CASES[name]), CASES[name])
 

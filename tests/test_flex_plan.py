@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import flex_attention
 
 from flexmoba import MobaSpec, compiled_flex_attention, moba_flex_plan, select_chunks
-from flexmoba import flex_plan as flex_plan_module
-from flexmoba.flex_plan import plan_from_selection
+from flexmoba.backends.flex import plan as flex_plan_module
+from flexmoba.backends.flex.plan import plan_from_selection
 from flexmoba.gate import select_local_chunks
 from flexmoba.tuning import use_tuning
 

@@ -6,7 +6,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flexmoba import gather, moba_reference, select_chunks
+from flexmoba import moba_reference, select_chunks
+from flexmoba.backends.gather import kernel as gather
+from flexmoba.dense import unfused_pieces
 from flexmoba.tuning import tuning_for, use_tuning
 
 from strategies import problems
@@ -140,6 +142,6 @@ def test_a_plan_refuses_queries_and_keys_of_other_shapes():
 @pytest.mark.parametrize("n, per_item, budget", [(10, 4, 1), (10, 4, 12), (10, 4, 2**26), (0, 4, 1), (3, 10**9, 2**26)])
 def test_unfused_pieces_cover_the_batch_once_within_the_budget(n, per_item, budget):
     with use_tuning("cuda", gather_unfused_scores=budget):
-        pieces = gather.unfused_pieces(n, per_item, torch.device("cpu"))
+        pieces = unfused_pieces(n, per_item, torch.device("cpu"))
     assert [i for first, end in pieces for i in range(first, end)] == list(range(n))
     assert all(end - first <= max(1, budget // per_item) for first, end in pieces)

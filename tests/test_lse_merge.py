@@ -94,3 +94,60 @@ def test_a_gradient_laid_out_as_the_model_lays_it_out_is_taken():
     want = out.clone().requires_grad_()
     merge_written_out(want, lse, rows, valid).backward(grad)
     torch.testing.assert_close(o.grad, want.grad)
+
+
+def attended(q, k, v):
+    """``(out [N, Dv], lse [N])`` of ``q: [N, D]`` over ``k, v: [N, M, *]``, fp32; a key of -inf logit adds nothing."""
+    logits = torch.einsum("nd,nmd->nm", q, k)
+    lse = torch.logsumexp(logits, dim=-1)
+    return torch.einsum("nm,nmd->nd", torch.softmax(logits, dim=-1), v), lse
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 6), m_a=st.integers(1, 5), m_b=st.integers(1, 5))
+def test_every_merge_of_two_parts_equals_one_softmax_over_both(seed, n, m_a, m_b):
+    from flexmoba.lse_merge import merge_in_place, merge_into, merge_two
+
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((n, 4), (n, m_a + m_b, 4),
+                                                                                    (n, m_a + m_b, 3)))
+    whole = attended(q, k, v)
+    a, b = attended(q, k[:, :m_a], v[:, :m_a]), attended(q, k[:, m_a:], v[:, m_a:])
+    for got in (merge_two(a, b), in_place(merge_in_place, a, b)):
+        torch.testing.assert_close(got, whole)
+    # merge_into: part b of some queries only, into a buffer of every query
+    chosen = torch.randperm(n, generator=g)[: max(1, n // 2)]
+    out, lse = a[0].clone(), a[1].clone()
+    merge_into(out, lse, chosen, b[0][chosen], b[1][chosen])
+    expected_out, expected_lse = a[0].clone(), a[1].clone()
+    expected_out[chosen], expected_lse[chosen] = whole[0][chosen], whole[1][chosen]
+    torch.testing.assert_close((out, lse), (expected_out, expected_lse))
+
+
+def in_place(merge, a, b):
+    out, lse = a[0].clone(), a[1].clone()
+    merge(out, lse, *b)
+    return out, lse
+
+
+def test_merge_pairs_equals_one_softmax_over_each_query_s_own_part_and_its_pairs():
+    from flexmoba.lse_merge import merge_pairs
+
+    g = torch.Generator().manual_seed(0)
+    n, pairs = 4, [0, 2, 2, 3, 0]  # query of each pair; query 1 has none
+    q = torch.randn(n, 4, generator=g, dtype=torch.float64)
+    own_k, own_v = torch.randn(n, 3, 4, generator=g, dtype=torch.float64), torch.randn(n, 3, 2, generator=g,
+                                                                                         dtype=torch.float64)
+    pair_k = torch.randn(len(pairs), 2, 4, generator=g, dtype=torch.float64)
+    pair_v = torch.randn(len(pairs), 2, 2, generator=g, dtype=torch.float64)
+    query = torch.tensor(pairs)
+    own_out, own_lse = attended(q, own_k, own_v)
+    pair_out, pair_lse = attended(q[query], pair_k, pair_v)
+    pair_lse[1] = float("-inf")  # a pair that attends nothing adds nothing
+    out, lse = merge_pairs(own_out.clone(), own_lse, query, pair_lse, [pair_out[:2].clone(), pair_out[2:].clone()])
+    for i in range(n):
+        mine = [j for j, p in enumerate(pairs) if p == i and j != 1]
+        keys = torch.cat([own_k[i], *pair_k[mine]])[None]
+        values = torch.cat([own_v[i], *pair_v[mine]])[None]
+        expected = attended(q[i:i + 1], keys, values)
+        torch.testing.assert_close((out[i:i + 1].double(), lse[i:i + 1]), expected, rtol=1e-5, atol=1e-6)  # fp32 out

@@ -41,7 +41,16 @@ def snapshot() -> dict:
         "matplotlib.rcParams identity": id(matplotlib.rcParams),
         "matplotlib.rcParams values": {k: repr(v) for k, v in matplotlib.rcParams.items()},
         "torch._dynamo.config.recompile_limit": torch._dynamo.config.recompile_limit,
+        "matplotlib.pyplot imported": "matplotlib.pyplot" in sys.modules,
+        "pyplot figures open": pyplot_figures(),
     }
+
+
+def pyplot_figures() -> int:
+    """The figures pyplot's manager holds, read without importing pyplot."""
+    from matplotlib._pylab_helpers import Gcf
+
+    return Gcf.get_num_fig_managers()
 
 
 def import_everything() -> list[str]:
@@ -60,10 +69,19 @@ def import_everything() -> list[str]:
 
 
 def draw_figures(out: Path) -> None:
-    """One figure from each experiment that plots: gate diagnostics, retrieval, scaling report, compare."""
+    """One figure from each experiment that plots: gate diagnostics, retrieval, scaling report, compare,
+    context-eval (windows and passkeys), gap-closed, the continued-scaling report."""
     import torch
 
-    from lit.experiments import compare, gate_diagnostics, retrieval, scaling_report
+    from lit.experiments import (
+        compare,
+        context_eval,
+        continued_scaling_report,
+        gap_closed,
+        gate_diagnostics,
+        retrieval,
+        scaling_report,
+    )
 
     stats = [gate_diagnostics.LayerGateStats(kind=kind, recall=torch.tensor([0.5, 1.0]),
                                              recall_by_position=torch.linspace(0, 1, 8),
@@ -88,6 +106,16 @@ def draw_figures(out: Path) -> None:
     results = [{"attention": kind, "val_history": [(1, 2.0), (2, 1.5)], "windows": [[0, 8]],
                 "final": {"val/loss_pos_000000_000008": 1.4}} for kind in ("moba", "full")]
     compare.plot(results, out)
+    band = [{"mean": 1.0, "low": 0.9, "high": 1.1}, {"mean": 0.8, "low": 0.7, "high": 0.9}]
+    cells = [{"length": n, "depth": d, "answered": 0.5} for n in (64, 128) for d in (0.1, 0.9)]
+    arms = [context_eval.Arm.parse(name) for name in ("full", "moba:16:2")]
+    summary = {"window": 16, "scored": [0, 1], "documents": ["a", "b"],
+               "arms": {arm.name: {"windows": band, "windows_minus_full": band, "retrieval": cells} for arm in arms}}
+    context_eval.plot(summary, arms, out)
+    gap_closed.plot({"documents": ["a"], "rows": [{"window": w, "gap_before": 0.5, "gap_after": 0.2}
+                                                  for w in ("0-16", "16-32")]}, out / "gap.png")
+    continued_scaling_report.report(continued_scaling_report.ReportJob(
+        str(REPO / "docs" / "pretrained" / "scaling" / "records"), str(out / "scaling")))
 
 
 def import_dependencies() -> None:
@@ -135,6 +163,8 @@ def states(tmp_path_factory) -> tuple[dict, dict]:
     "matplotlib.rcParams identity",
     "matplotlib.rcParams values",
     "torch._dynamo.config.recompile_limit",
+    "matplotlib.pyplot imported",
+    "pyplot figures open",
 ])
 def test_library_leaves_process_state_unchanged(states, setting):
     before, after = states

@@ -14,7 +14,7 @@ passes each rank's first position. A backend may also decode new queries at the 
 cache, gated already:
 
     decode(step) -> out
-    step: flexmoba.decode_kernels.DecodeStep (the new queries, every cached key and value,
+    step: flexmoba.backends.protocol.DecodeStep (the new queries, every cached key and value,
     the chunk state, the gate's choice)  ->  out: [B, H, S_new, Dv] in q's dtype
 
 A backend that does not decode, or takes no ``query_start > 0``, says so when registered

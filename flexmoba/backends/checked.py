@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flexmoba.backends.registry import AttendFn, DecodeFn, backend
-from flexmoba.decode_kernels import DecodeStep, sdpa_decode
+from flexmoba.backends.protocol import AttendFn, DecodeFn, DecodeStep
+from flexmoba.backends.registry import backend
+from flexmoba.backends.sdpa.decode import sdpa_decode
 from flexmoba.masks import dense_moba_rows
 
 if TYPE_CHECKING:

@@ -9,14 +9,11 @@ import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from flexmoba.backends.protocol import AttendFn, DecodeFn
 from flexmoba.tuning import tuning_for
-
-if TYPE_CHECKING:
-    from flexmoba.decode_kernels import DecodeStep
 
 __all__ = [
     "AUTO",
@@ -30,17 +27,14 @@ __all__ = [
     "resolve_decode_backend",
 ]
 
-AttendFn = Callable[..., torch.Tensor]  # (q, k, v, selection, scale, *, query_start=0) -> out
-DecodeFn = Callable[["DecodeStep"], torch.Tensor]
-
 AUTO = "auto"
 
 # Each built-in backend's module defines BACKENDS: {name: Backend}.
 BUILT_IN = {
-    "flex": "flexmoba.backends.flex",
-    "flex_union": "flexmoba.backends.flex",
-    "gather": "flexmoba.backends.gather",
-    "sdpa": "flexmoba.backends.sdpa",
+    "flex": "flexmoba.backends.flex.backend",
+    "flex_union": "flexmoba.backends.flex.backend",
+    "gather": "flexmoba.backends.gather.backend",
+    "sdpa": "flexmoba.backends.sdpa.backend",
 }
 
 

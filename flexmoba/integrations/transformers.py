@@ -43,7 +43,7 @@ running per-chunk key sums beside it (``module._flexmoba_chunk_sums``): one new 
 O(D) instead of re-pooling all cached keys, which would cost as much as dense attention
 and erase the gain. Once the context outgrows ``chunk_size * top_k`` (below that, decoding
 is dense attention), fp32 models also keep a chunk-transposed copy of the keys there, so
-a step reads its selected keys without gathering them (see :mod:`flexmoba.decode_kernels`); it
+a step reads its selected keys without gathering them (see :mod:`flexmoba.backends.gather.decode`); it
 costs one more copy of each layer's keys in memory. The sums are rebuilt from the cached keys (O(T), once) whenever they
 cannot be trusted: first decode step, new cache, cache cropped or reordered (the sums
 remember their length and the last key they absorbed and compare them with the cache).

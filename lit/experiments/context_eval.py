@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from lit.experiments.scaling_law import t_975
-from lit.training import checks
+from lit.training import checks, figures
 from lit.training.errors import UsageError
 from lit.training.options import parse_dataclass
 from lit.training.ticker import Ticker, progress_seconds
@@ -461,13 +461,9 @@ def markdown(summary: dict, arms: list[Arm], job_line: str, machine: str, notes:
 
 
 def plot(summary: dict, arms: list[Arm], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     window = summary["window"]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 7), sharex=True)
+    fig = figures.figure(7, 7)
+    top, bottom = fig.subplots(2, 1, sharex=True)
     for arm in arms:
         entry = summary["arms"][arm.name]
         if "windows" not in entry:
@@ -487,19 +483,17 @@ def plot(summary: dict, arms: list[Arm], out: Path) -> None:
     bottom.axhline(0, color="black", linewidth=0.5)
     bottom.set_ylabel("minus full attention")
     bottom.set_xlabel("position (tokens)")
-    fig.tight_layout()
-    fig.savefig(out / "windows.png", dpi=110)
-    plt.close(fig)
+    figures.save(fig, out / "windows.png")
     grids = [(arm, summary["arms"][arm.name]["retrieval"]) for arm in arms if summary["arms"][arm.name]["retrieval"]]
     if grids:
         plot_retrieval(grids, out / "retrieval.png")
 
 
 def plot_retrieval(grids: list, path: Path) -> None:
-    import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, axes = plt.subplots(1, len(grids), figsize=(3.2 * len(grids), 3.2), squeeze=False)
+    fig = figures.figure(3.2 * len(grids), 3.2)
+    axes = fig.subplots(1, len(grids), squeeze=False)
     for axis, (arm, cells) in zip(axes[0], grids, strict=True):
         lengths = sorted({c["length"] for c in cells})
         depths = sorted({c["depth"] for c in cells})
@@ -512,9 +506,7 @@ def plot_retrieval(grids: list, path: Path) -> None:
         axis.set_title(arm.label(), fontsize=9)
         axis.set_xlabel("length")
     axes[0][0].set_ylabel("depth of the key")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    figures.save(fig, path)
 
 
 # -- the job ----------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from lit.experiments.context_eval import FULL, Arm, read_records
-from lit.training import checks
+from lit.training import checks, figures
 from lit.training.errors import UsageError
 from lit.training.options import parse_dataclass
 
@@ -158,14 +158,10 @@ def markdown(result: dict, command: str) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [r for r in result["rows"] if r["window"] != "trailing"]
     x = range(len(rows))
-    fig, axis = plt.subplots(figsize=(7, 3.5))
+    fig = figures.figure(7, 3.5)
+    axis = fig.subplots()
     axis.plot(x, [r["gap_before"] for r in rows], marker="o", label="before (pretrained, MoBA - full)")
     axis.plot(x, [r["gap_after"] for r in rows], marker="o", label="after (MoBA-trained - full-trained control)")
     axis.axhline(0, color="black", linewidth=0.5)
@@ -173,9 +169,7 @@ def plot(result: dict, path: Path) -> None:
     axis.set_ylabel("nats/token")
     axis.set_title(f"MoBA's gap to full attention, {len(result['documents'])} documents")
     axis.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    figures.save(fig, path)
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """The FlexAttention backends. Both train on CUDA; on CPU they are inference only (FlexAttention
-has no CPU backward), unless :func:`flexmoba.compiled_flex.use_flex_attention` sets a flex that has
+has no CPU backward), unless :func:`flexmoba.backends.flex.compiled.use_flex_attention` sets a flex that has
 one. Neither decodes.
 
-- ``"flex"``: block-sparse. Token granularity runs the regrouped plan (:mod:`flexmoba.flex_plan`:
+- ``"flex"``: block-sparse. Token granularity runs the regrouped plan (:mod:`flexmoba.backends.flex.plan`:
   one virtual row per (query, selected chunk), merged by log-sum-exp), queries at any
   ``query_start``; tile granularity runs the union ``BlockMask``, which is exactly sparse there.
 - ``"flex_union"``: the union ``BlockMask`` over the original query order, any granularity. Exact,
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from flexmoba.backends import gather
+from flexmoba.backends.flex.block_mask import selection_block_mask
+from flexmoba.backends.flex.compiled import active_flex_attention, flex_trains_on, needs_sink
+from flexmoba.backends.flex.plan import plan_from_selection
+from flexmoba.backends.gather import backend as gather
 from flexmoba.backends.registry import Backend, needs_grad
-from flexmoba.block_mask import selection_block_mask
-from flexmoba.compiled_flex import active_flex_attention, flex_trains_on, needs_sink
-from flexmoba.flex_plan import plan_from_selection
 from flexmoba.gate import Selection
 
 __all__ = ["BACKENDS", "attend", "attend_union", "drops_non_finite_keys"]

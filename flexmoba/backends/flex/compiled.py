@@ -6,7 +6,7 @@ callable with ``flex_attention``'s signature for the duration of a ``with`` bloc
 differentiable stand-in in tests, an instrumented kernel, a newer build.
 
 The sink rule. Compiled CPU flex cannot return the log-sum-exp, so on CPU the regrouped
-plan recovers it with a sink key (:mod:`flexmoba.flex_plan`). The sink is a property of
+plan recovers it with a sink key (:mod:`flexmoba.backends.flex.plan`). The sink is a property of
 that kernel, not of the device: a custom flex must return the log-sum-exp when asked
 (``return_aux=AuxRequest(lse=True)``), and while one is active the plan runs without the
 sink on every device, as it does with the compiled kernel on GPU. Likewise flex's refusal

@@ -36,8 +36,10 @@ import torch
 import torch.nn.functional as F
 
 from flexmoba import validation
+from flexmoba.dense import dense_attention, dense_attention_backward, nan_where_nothing_attended
 from flexmoba.gate import Selection
 from flexmoba.index_math import exclusive_cumsum, floor_divide, sort_key_dtype
+from flexmoba.lse_merge import index_add_parts, merge_in_place, merge_into, merge_pairs
 from flexmoba.tuning import tuning_for
 
 __all__ = ["GatherPlan", "gather_moba_attention", "gather_plan"]
@@ -158,112 +160,6 @@ def own_chunks(selection: Selection, heads: int, kv_heads: int) -> OwnChunks:
                      (k_first[..., None] + place_in_run[:, None]).flatten(0, 1), place.flatten())
 
 
-def _fused_cpu(q: torch.Tensor) -> bool:
-    on_cpu = q.device.type == "cpu" and tuning_for(q.device).gather_fused_kernel
-    return on_cpu and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
-
-
-def _causal_mask(n: int, m: int, device) -> torch.Tensor:
-    return torch.ones(n, m, dtype=torch.bool, device=device).tril()
-
-
-def dense_attention(q, k, v, causal: bool, scale: float):
-    """``q: [N, 1, L, D]``, ``k, v: [N, 1, M, D]`` -> (out ``[N, 1, L, Dv]``, lse ``[N, 1, L]`` fp32).
-
-    A row whose logits are all -inf (non-finite keys) attends nothing: out 0, lse -inf, so that it
-    merges as nothing (:func:`nan_where_nothing_attended` makes a row that attends nothing at all NaN).
-    """
-    if _fused_cpu(q):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return _recompute_rows_of_zero_lse(out, lse, q, k, v, causal, scale)
-    pieces = unfused_pieces(q.shape[0], q.shape[-2] * k.shape[-2], q.device)
-    if len(pieces) == 1:
-        return _unfused_attention(q, k, v, causal, scale)
-    out = v.new_empty(*q.shape[:-1], v.shape[-1])
-    lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-    for first, end in pieces:
-        out[first:end], lse[first:end] = _unfused_attention(q[first:end], k[first:end], v[first:end], causal, scale)
-    return out, lse
-
-
-def unfused_pieces(n: int, scores_per_item: int, device) -> list[tuple[int, int]]:
-    """``[(first, end), ...]``: the n items of an unfused batch in consecutive pieces whose fp32 scores
-    (``scores_per_item`` each) stay within ``Tuning.gather_unfused_scores`` (one item at least): memory
-    linear in the rows, not in the pieces' product."""
-    size = max(1, tuning_for(device).gather_unfused_scores // max(1, scores_per_item))
-    return [(first, min(first + size, n)) for first in range(0, n, size)] or [(0, 0)]
-
-
-def _unfused_attention(q, k, v, causal: bool, scale: float):
-    """:func:`dense_attention` as plain operations, all of the batch at once."""
-    logits = (q @ k.transpose(-1, -2)).float() * scale
-    if causal:
-        logits = logits.masked_fill(~_causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)
-    return (torch.exp(logits - finite_lse(lse)[..., None]).to(v.dtype) @ v), lse
-
-
-def finite_lse(lse: torch.Tensor) -> torch.Tensor:
-    """``lse`` with -inf (a row or part that attends nothing) as 0: ``exp(x - lse)`` is then 0 for x = -inf,
-    where ``exp(-inf - -inf)`` would be NaN."""
-    return lse.masked_fill(lse == float("-inf"), 0.0)
-
-
-def _recompute_rows_of_zero_lse(out, lse, q, k, v, causal: bool, scale: float):
-    """The CPU kernel's ``(out [N, 1, L, Dv], lse [N, 1, L])`` with the rows of lse 0 (rare) recomputed: the
-    kernel gives out 0 and lse 0 to a row whose logits are all -inf, as to a fully masked row, and to one
-    whose only logit is NaN or +inf. Recomputed, such a row has lse -inf (out 0), or NaN."""
-    n, _, row = (lse == 0).nonzero(as_tuple=True)
-    if len(n):
-        logits = (k[n, 0].float() @ q[n, 0, row].float()[..., None])[..., 0] * scale  # [R, M]
-        if causal:
-            logits = logits.masked_fill(torch.arange(k.shape[2], device=q.device) > row[:, None], float("-inf"))
-        row_lse = torch.logsumexp(logits, dim=-1)
-        row_out = (torch.exp(logits - finite_lse(row_lse)[:, None])[:, None] @ v[n, 0].float())[:, 0]
-        where = (n, torch.zeros_like(n), row)
-        out, lse = out.index_put(where, row_out.to(out.dtype)), lse.index_put(where, row_lse)
-    return out, lse
-
-
-def nan_where_nothing_attended(out: torch.Tensor, lse: torch.Tensor) -> None:
-    """NaN, in place, in the rows of ``out: [N, Dv]`` whose merged ``lse: [N]`` is -inf: every logit of the
-    row is -inf, and a softmax over them is NaN (a host read on CPU only, where it is no device sync)."""
-    nothing = lse == float("-inf")
-    if out.device.type != "cpu" or bool(nothing.any()):
-        out.masked_fill_(nothing[:, None], float("nan"))
-
-
-def dense_attention_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
-    """Gradients of :func:`dense_attention` given the *merged* ``out`` and ``lse`` of its queries."""
-    if _fused_cpu(q):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
-    pieces = unfused_pieces(q.shape[0], q.shape[-2] * k.shape[-2], q.device)
-    if len(pieces) == 1:
-        return _unfused_backward(grad_out, q, k, v, out, lse, causal, scale)
-    grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v)]
-    for first, end in pieces:
-        part = (x[first:end] for x in (grad_out, q, k, v, out, lse))
-        for grad, piece in zip(grads, _unfused_backward(*part, causal, scale), strict=True):
-            grad[first:end] = piece
-    return tuple(grads)
-
-
-def _unfused_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
-    """:func:`dense_attention_backward` as plain operations, all of the batch at once."""
-    logits = (q @ k.transpose(-1, -2)).float() * scale
-    if causal:
-        logits = logits.masked_fill(~_causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
-    probs = torch.exp(logits - lse[..., None])
-    grad_probs = grad_out.float() @ v.float().transpose(-1, -2)
-    delta = (grad_out.float() * out.float()).sum(-1, keepdim=True)
-    grad_logits = probs * (grad_probs - delta) * scale
-    dq = grad_logits @ k.float()
-    dk = grad_logits.transpose(-1, -2) @ q.float()
-    dv = probs.transpose(-1, -2) @ grad_out.float()
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
 def _row_blocks(n: int, block: int) -> list[tuple[int, int, int]]:
     """``(first row, batch, rows per item)``: n rows as a batch of whole blocks plus the rest."""
     whole = n // block * block
@@ -359,14 +255,6 @@ class PairBlocks:
     def row_lse(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """Per block size ``[blocks, 1, R]`` log-sum-exp -> ``[rows]``, -inf on the padding rows."""
         return torch.cat([p.reshape(-1) for p in parts]).index_fill_(0, self.padding, float("-inf"))
-
-
-def index_add_parts(out: torch.Tensor, index: torch.Tensor, parts: list[torch.Tensor]) -> None:
-    """``out.index_add_(0, index, cat(parts))`` without the cat: ``parts`` hold consecutive runs of
-    ``index``'s rows (any leading shape, rows of ``out.shape[-1]``)."""
-    rows = [part.reshape(-1, out.shape[-1]) for part in parts]
-    for part, part_index in zip(rows, index.split([len(r) for r in rows]), strict=True):
-        out.index_add_(0, part_index, part)
 
 
 def _block_table(segments: list[Segment], unit: int, key_len: int) -> tuple[tuple[tuple[int, int], ...], array]:
@@ -602,11 +490,7 @@ def _causal_chunks(q, k, v, scale: float):
     out = out.float().view(q.shape[0], 1, chunk, -1)  # merged in place below, in fp32 like every part
     lse = lse.view(q.shape[0], 1, chunk)
     cross_out, cross_lse = dense_attention(q[:, :, half:], k[:, :, :half], v[:, :, :half], False, scale)
-    second = slice(half, chunk)
-    merged = torch.logaddexp(lse[..., second], cross_lse)
-    out[:, :, second].mul_(torch.exp(lse[..., second] - merged)[..., None])
-    out[:, :, second].addcmul_(cross_out, torch.exp(cross_lse - merged)[..., None])
-    lse[..., second] = merged
+    merge_in_place(out[:, :, half:], lse[..., half:], cross_out, cross_lse)
     return out, lse
 
 
@@ -662,39 +546,6 @@ def _own_backward(grad_out, q, k, v, out, lse, own: OwnChunks | None, chunk: int
     dk = k.new_zeros(B * H_kv * S, D).index_add_(0, keys.flatten(), dk.reshape(-1, D))
     dv = v.new_zeros(B * H_kv * S, Dv).index_add_(0, keys.flatten(), dv.reshape(-1, Dv))
     return own.unpadded(dq).view_as(q), dk.view(B, H_kv, S, D), dv.view(B, H_kv, S, Dv)
-
-
-def merge_into(out, lse, query, part_out, part_lse) -> None:
-    """Merge one part (``part_out: [m, Dv]``, ``part_lse: [m]``, of the distinct queries ``query: [m]``)
-    into the running ``out: [N, Dv]`` fp32 and ``lse: [N]`` fp32 by log-sum-exp, in place.
-
-    Only the part's rows are read and written, so a long sequence's past chunks merge one at a
-    time without a buffer of every pair's output.
-    """
-    old = lse.index_select(0, query)
-    new = torch.logaddexp(old, part_lse)
-    rows = out.index_select(0, query).mul_(torch.exp(old - new)[:, None])
-    rows.addcmul_(part_out.float(), torch.exp(part_lse - new)[:, None])
-    out.index_copy_(0, query, rows)
-    lse.index_copy_(0, query, new)
-
-
-def merge_pairs(own_out, own_lse, query, pair_lse, pair_outs: list[torch.Tensor]):
-    """Merge each query's own part (``[N, Dv]``, ``[N]``) with its past pairs (``query, pair_lse: [n]``)
-    by log-sum-exp, accumulated per query; a pair of lse -inf adds nothing. The pairs' outputs come
-    in consecutive parts, ``pair_outs[i]: [n_i, Dv]``. Overwrites fp32 ``own_out`` and ``pair_outs``
-    (no temporaries of their size).
-
-    Returns (out ``[N, Dv]`` fp32, lse ``[N]`` fp32).
-    """
-    top = own_lse.scatter_reduce(0, query, pair_lse, "amax")
-    top = torch.where(torch.isfinite(top), top, 0.0)
-    total = torch.exp(own_lse - top).index_add_(0, query, torch.exp(pair_lse - top.index_select(0, query)))
-    lse = top + torch.log(total)
-    out = own_out.float().mul_(torch.exp(own_lse - lse)[:, None])
-    weights = torch.exp(pair_lse - lse.index_select(0, query)).split([len(part) for part in pair_outs])
-    index_add_parts(out, query, [part.float().mul_(w[:, None]) for part, w in zip(pair_outs, weights, strict=True)])
-    return out, lse
 
 
 def gather_moba_attention(

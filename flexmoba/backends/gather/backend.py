@@ -1,7 +1,7 @@
 """``"gather"``: queries regrouped per selected chunk, dense attention per group, the parts merged by
-log-sum-exp (the kernel: :mod:`flexmoba.gather`). Differentiable on every device, fused on CPU,
+log-sum-exp (the kernel: :mod:`flexmoba.backends.gather.kernel`). Differentiable on every device, fused on CPU,
 work and memory O(S * top_k * chunk_size). Decodes by reading each query's selected keys
-(:func:`flexmoba.decode_kernels.gather_decode`).
+(:func:`flexmoba.backends.gather.decode.gather_decode`).
 
 Queries at ``query_start > 0`` (context parallelism): past chunks are whole and read from all the
 keys; the own chunk runs on the local keys, causal; an own chunk that starts before
@@ -13,10 +13,17 @@ from __future__ import annotations
 
 import torch
 
+from flexmoba.backends.gather.decode import gather_decode
+from flexmoba.backends.gather.kernel import (
+    PastPairs,
+    Segment,
+    gather_moba_attention,
+    own_chunks,
+    past_pairs,
+    plan_pairs,
+)
 from flexmoba.backends.registry import Backend
-from flexmoba.decode_kernels import gather_decode
 from flexmoba.gate import Selection
-from flexmoba.gather import PastPairs, Segment, gather_moba_attention, own_chunks, past_pairs, plan_pairs
 
 __all__ = ["BACKENDS", "attend"]
 

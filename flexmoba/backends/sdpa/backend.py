@@ -1,13 +1,14 @@
 """``"sdpa"``: the mask made dense for SDPA, ``[B, H, S, query_start + S]``: differentiable everywhere,
 O(S^2) memory; the fastest for short sequences. Decodes with one ``[S_new, T]`` mask
-(:func:`flexmoba.decode_kernels.sdpa_decode`), the choice for chunked prefill."""
+(:func:`flexmoba.backends.sdpa.decode.sdpa_decode`), the choice for chunked prefill."""
 
 from __future__ import annotations
 
 import torch
 
 from flexmoba.backends.registry import Backend
-from flexmoba.decode_kernels import masked_attention, sdpa_decode
+from flexmoba.backends.sdpa.decode import sdpa_decode
+from flexmoba.dense import masked_attention
 from flexmoba.gate import Selection
 from flexmoba.masks import dense_moba_mask, dense_moba_rows
 

@@ -36,7 +36,7 @@ whose value is a one-hot extra column of V. The output's extra column is then
 and ``q . mean(k_chunk) * scale`` for past rows (by Jensen ``p <= 1 / (C + 1)``). Where
 extreme logits underflow ``p`` the row's LSE is recomputed directly (rare; it reads which
 rows on the host, which on CPU is no device sync). The sink is the compiled CPU kernel's
-path only (:func:`flexmoba.compiled_flex.needs_sink`), never the GPU's.
+path only (:func:`flexmoba.backends.flex.compiled.needs_sink`), never the GPU's.
 
 Memory linear in S. A block of virtual rows reads at most a handful of key blocks, so the plan
 keeps its block tables only that wide (``[B, H_kv, L / Bq, W]``). The kernels take tables as wide
@@ -44,7 +44,7 @@ as every key block (compiled CPU flex refuses narrower ones; torch transposes th
 backward by their width), so the virtual rows run in equal pieces, each widened only while it
 runs, with at most ``Tuning.flex_table_entries`` entries per table. With more than one piece
 and gradients, the forward keeps no virtual rows and each piece's flex call runs again in the
-backward (:mod:`flexmoba.recomputed_plan`), so one piece's tables and rows are alive at a time.
+backward (:mod:`flexmoba.backends.flex.recompute`), so one piece's tables and rows are alive at a time.
 The merge accumulates one slot at a time (:mod:`flexmoba.lse_merge`).
 """
 
@@ -58,14 +58,14 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask
 
 from flexmoba import validation
-from flexmoba.block_mask import DEFAULT_BLOCK_SIZE, listed_first
-from flexmoba.compiled_flex import active_flex_attention, needs_sink
+from flexmoba.backends.flex.block_mask import DEFAULT_BLOCK_SIZE, listed_first
+from flexmoba.backends.flex.compiled import active_flex_attention, needs_sink
+from flexmoba.backends.flex.recompute import recomputed_attention
 from flexmoba.gate import Selection, select_chunks
 from flexmoba.index_math import exclusive_cumsum, sort_key_dtype
 from flexmoba.lse_merge import merge_by_lse
 from flexmoba.masks import check_flex_index
 from flexmoba.pair_counts import past_chunk_slots
-from flexmoba.recomputed_plan import recomputed_attention
 from flexmoba.spec import MobaSpec, takes_settings
 from flexmoba.tuning import tuning_for
 
@@ -165,7 +165,7 @@ class MoBAFlexPlan:
 
         A plan built with ``query_start=o`` takes ``k, v: [B, H_kv, o + S, D]``.
 
-        ``flex`` defaults to the active flex (:func:`flexmoba.compiled_flex.active_flex_attention`:
+        ``flex`` defaults to the active flex (:func:`flexmoba.backends.flex.compiled.active_flex_attention`:
         the compiled kernel unless ``use_flex_attention`` set another); any callable with its
         signature works (e.g. eager ``flex_attention``). Without the sink, ``flex`` must
         return the log-sum-exp (``return_aux``).
@@ -544,7 +544,7 @@ def moba_flex_plan(
         spec (or chunk_size, top_k, granularity), document_ids: as in :func:`flexmoba.moba_selection`.
         block_size: FlexAttention's ``(Q, KV)`` block (an int for both); on GPU a multiple of 128.
         sink: recover the log-sum-exp with a sink key (default: with the compiled kernel on
-            CPU, which cannot return it; see :func:`flexmoba.compiled_flex.needs_sink`).
+            CPU, which cannot return it; see :func:`flexmoba.backends.flex.compiled.needs_sink`).
 
     Returns:
         A :class:`MoBAFlexPlan`; ``plan.attention(q, k, v)`` runs it.

@@ -25,7 +25,7 @@ from flexmoba.lse_merge import merge_by_lse, query_lse
 __all__ = ["recomputed_attention"]
 
 
-# ``plan`` below is a flexmoba.flex_plan.MoBAFlexPlan (not imported: that module imports this one).
+# ``plan`` below is a flexmoba.backends.flex.plan.MoBAFlexPlan (not imported: that module imports this one).
 
 
 def _rows_read(plan) -> torch.Tensor:

@@ -1,39 +1,27 @@
-"""The decode kernels: how a gated decode call reads the keys its queries selected.
+"""The ``gather`` backend's decode: each new query reads only the chunks it selected.
 
-Each kernel takes a :class:`DecodeStep` (new queries at the end of a KV cache, the gate
-already run) and returns ``[B, H, S_new, Dv]`` in q's dtype; :mod:`flexmoba.backends`
-registers them as the built-in backends' ``decode``:
+It takes a :class:`flexmoba.backends.protocol.DecodeStep` (new queries at the end of a KV cache, the gate
+already run) and returns ``[B, H, S_new, Dv]`` in q's dtype. With fp32 q, keys and values and a chunk
+state that keeps blocks, a query's logits against a chunk are one weighted sum of the D rows of that
+chunk's transposed keys (:attr:`flexmoba.kv_cache.ChunkKeySums.blocks`) and its output one weighted sum of
+value rows: ``embedding_bag`` computes both straight from the buffers, with no gathered copy. Otherwise it
+gathers a copy of each query's selected keys and values (fp32 softmax).
 
-- :func:`gather_decode` (``"gather"``): each query reads only its selected chunks. With
-  fp32 q, keys and values and a chunk state that keeps blocks, a query's logits against a
-  chunk are one weighted sum of the D rows of that chunk's transposed keys
-  (:attr:`flexmoba.kv_cache.ChunkKeySums.blocks`) and its output one weighted sum of value
-  rows: ``embedding_bag`` computes both straight from the buffers, with no gathered copy.
-  Otherwise it gathers a copy of each query's selected keys and values (fp32 softmax).
-- :func:`sdpa_decode` (``"sdpa"``): the selection as one ``[B, H, S_new, T]`` mask for
-  SDPA (chunked prefill, many queries).
-
-:func:`dense_causal_attention` is full causal attention over the cache: decoding's dense
-shortcut and ``dense_decode``.
-
-Padding (left, ``start[b]`` the first real position of row b): real queries never attend
-the positions before ``start``, even when they hold non-finite values; padding queries
-attend only themselves (a meaningless output).
+Padding (left, ``start[b]`` the first real position of row b): real queries never attend the positions
+before ``start``, even when they hold non-finite values; padding queries attend only themselves.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from flexmoba.backends.protocol import DecodeStep
 from flexmoba.gate import fp32_matmul
-from flexmoba.kv_cache import ChunkKeySums
 
-__all__ = ["DecodeStep", "dense_causal_attention", "gather_decode", "gathered_attention", "masked_attention",
-           "query_places", "sdpa_decode"]
+__all__ = ["gather_decode", "gathered_attention"]
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -79,127 +67,6 @@ def gathered_attention(q, keys, values, key_pos, allowed, scale):
     logits = torch.einsum("bhsld,bhsd->bhsl", gather(keys), q.float()) * scale
     probs = logits.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
     return torch.einsum("bhsl,bhsld->bhsd", probs, gather(values)).to(q.dtype)
-
-
-def masked_attention(q, keys, values, allowed, scale):
-    """``allowed: [B, 1 or H, S_new, T]`` bool -> ``[B, H, S_new, Dv]`` via SDPA.
-
-    SDPA adds the mask to ``q . k``: a NaN or inf in a key no row attends would still reach
-    every row (NaN - inf). Keys holding one run through the plain softmax instead, whose
-    masked logits are replaced, not added to (one check of the keys; a host read).
-    """
-    if not bool(torch.isfinite(keys).all()):
-        return _plain_masked_attention(q, keys, values, allowed, scale)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scale,
-                                          enable_gqa=q.shape[1] != keys.shape[1])
-
-
-def _plain_masked_attention(q, keys, values, allowed, scale):
-    """:func:`masked_attention` as ``softmax(masked q k^T * scale) v`` in fp32."""
-    group = q.shape[1] // keys.shape[1]
-    keys, values = (x.float().repeat_interleave(group, dim=1) for x in (keys, values))
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    logits = (q.float() @ keys.transpose(-1, -2)) * scale
-    return (logits.masked_fill(~allowed, float("-inf")).softmax(dim=-1) @ values).to(q.dtype)
-
-
-def _zero_padding(keys, values, start: torch.Tensor):
-    """Keys and values with the positions before ``start: [B]`` set to 0.
-
-    SDPA adds the mask to ``q . k`` and multiplies probabilities by ``v``: a NaN or inf in a
-    masked-out padding key or value would still reach every row (NaN - inf, 0 * inf).
-    """
-    real = (torch.arange(keys.shape[2], device=keys.device)[None, :] >= start[:, None])[:, None, :, None]
-    return keys.masked_fill(~real, 0), values.masked_fill(~real, 0)
-
-
-def dense_causal_attention(q, keys, values, start: torch.Tensor | None = None,
-                           scale: float | None = None) -> torch.Tensor:
-    """Full causal attention of ``q: [B, H, S_new, D]`` aligned to the end of ``keys, values: [B, H_kv, T, D]``.
-
-    ``start: [B]`` first real position of each row, or ``None`` for no padding. Real
-    queries attend every real key up to themselves; padding queries attend only themselves.
-    """
-    B, H, S_new, D = q.shape
-    H_kv, T = keys.shape[1], keys.shape[2]
-    if start is not None:
-        keys, values = _zero_padding(keys, values, start)
-    if S_new == 1:  # one query per head: the heads of a KV group become the query rows of one call
-        allowed = None if start is None else _dense_allowed(start, T, 1, q.device)[:, None]  # [B, 1, 1, T]
-        out = F.scaled_dot_product_attention(q.reshape(B, H_kv, H // H_kv, D), keys, values,
-                                             attn_mask=allowed, scale=scale)
-        return out.reshape(B, H, 1, -1)
-    if start is None and S_new == T:
-        return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale,
-                                              enable_gqa=H != H_kv)
-    start = torch.zeros(B, dtype=torch.long, device=q.device) if start is None else start
-    return masked_attention(q, keys, values, _dense_allowed(start, T, S_new, q.device)[:, None], scale)
-
-
-def _dense_allowed(start: torch.Tensor, T: int, S_new: int, device) -> torch.Tensor:
-    """``[B, S_new, T]`` bool: the causal, padding-aware mask of the last ``S_new`` queries."""
-    q_pos = T - S_new + torch.arange(S_new, device=device)
-    key_pos = torch.arange(T, device=device)
-    key_real = key_pos[None, :] >= start[:, None]  # [B, T]
-    causal = key_pos[None, :] <= q_pos[:, None]  # [S_new, T]
-    q_pad = (q_pos[None, :] < start[:, None])[:, :, None]  # [B, S_new, 1]
-    return torch.where(q_pad, key_pos == q_pos[:, None], key_real[:, None, :] & causal)
-
-
-@dataclass(frozen=True)
-class DecodeStep:
-    """One gated decode call, what a backend's ``decode(step) -> [B, H, S_new, Dv]`` receives.
-
-    Query i (row b, head h) attends every key of the chunks ``past[b, h, i]`` where ``valid``
-    holds, and its own chunk ``own[b, i]`` up to itself. Chunk j of row b covers positions
-    ``sums.start[b] + j * sums.chunk_size`` onwards; nothing before ``start`` is attended,
-    and a padding query (``q_local < 0``) attends only its own position.
-
-    Attributes:
-        q: ``[B, H, S_new, D]`` new queries, at the last ``S_new`` positions of the keys.
-        keys, values: ``[B, H_kv, T, D]`` all cached keys and values, ``H % H_kv == 0``
-            (query head h reads KV head ``h // (H / H_kv)``).
-        sums: the chunk state of those keys (:class:`flexmoba.kv_cache.ChunkKeySums`:
-            ``chunk_size``, ``start: [B]``, ``padded``, transposed key blocks on demand).
-        scale: softmax scale.
-        past, valid: ``[B, H, S_new, P]`` the selected past chunks, ``P = min(top_k - 1, N - 1)``
-            for ``N`` chunks, and which slots are used (an unused slot's index is arbitrary).
-
-    The queries' places, computed on first use (decoding's one-query kernel needs none):
-    ``q_pos: [S_new]`` absolute position ``T - S_new + i``, ``q_local: [B, S_new]`` position
-    from the row's ``start`` (< 0: padding), ``own: [B, S_new]`` own chunk (0 for padding).
-    """
-
-    q: torch.Tensor
-    keys: torch.Tensor
-    values: torch.Tensor
-    sums: ChunkKeySums
-    scale: float
-    past: torch.Tensor
-    valid: torch.Tensor
-
-    @functools.cached_property
-    def _places(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return query_places(self.q.shape[2], self.keys.shape[2], self.sums)
-
-    @property
-    def q_pos(self) -> torch.Tensor:
-        return self._places[0]
-
-    @property
-    def q_local(self) -> torch.Tensor:
-        return self._places[1]
-
-    @property
-    def own(self) -> torch.Tensor:
-        return self._places[2]
-
-
-def query_places(S_new: int, T: int, sums: ChunkKeySums) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(q_pos [S_new], q_local [B, S_new], own [B, S_new])`` of the last ``S_new`` of ``T`` positions."""
-    q_pos = T - S_new + torch.arange(S_new, device=sums.start.device)
-    q_local = q_pos[None, :] - sums.start[:, None]
-    return q_pos, q_local, q_local.clamp(min=0) // sums.chunk_size
 
 
 def _slots(step: DecodeStep) -> tuple[torch.Tensor, torch.Tensor]:
@@ -320,26 +187,6 @@ def _gather_selected(step: DecodeStep) -> torch.Tensor:
     L = positions.shape[-2] * c
     return gathered_attention(q, step.keys, step.values, positions.clamp(max=T - 1).view(B, H, S_new, L),
                               allowed.view(B, H, S_new, L), step.scale)
-
-
-def sdpa_decode(step: DecodeStep) -> torch.Tensor:
-    """``"sdpa"``'s decode: the selection as one ``[B, H, S_new, T]`` mask for SDPA (chunked prefill)."""
-    q, keys, values, q_pos, own, start = step.q, step.keys, step.values, step.q_pos, step.own, step.sums.start
-    if step.sums.padded:
-        keys, values = _zero_padding(keys, values, start)
-    B, H, S_new, _ = q.shape
-    T = keys.shape[2]
-    key_pos = torch.arange(T, device=q.device)
-    key_local = key_pos[None, :] - start[:, None]  # [B, T]
-    n_chunks = int(torch.cat([own.flatten(), step.past.flatten()]).max()) + 1  # unused slots may point past own
-    selected = torch.zeros(B, H, S_new, n_chunks, dtype=torch.bool, device=q.device)
-    selected.scatter_(-1, step.past, step.valid)
-    selected.scatter_(-1, own[:, None, :, None].expand(B, H, S_new, 1), True)
-    key_chunk = (key_local.clamp(min=0) // step.sums.chunk_size).clamp(max=selected.shape[-1] - 1)
-    allowed = selected.gather(-1, key_chunk[:, None, None, :].expand(B, H, S_new, T))
-    allowed &= ((key_local >= 0)[:, None, :] & (key_pos[None, :] <= q_pos[:, None]))[:, None]
-    q_pad = (step.q_local < 0)[:, None, :, None]  # [B, 1, S_new, 1]
-    return masked_attention(q, keys, values, torch.where(q_pad, key_pos == q_pos[:, None], allowed), step.scale)
 
 
 def gather_decode(step: DecodeStep) -> torch.Tensor:
