@@ -27,7 +27,6 @@ import argparse
 import csv
 import dataclasses
 import json
-import math
 import os
 from pathlib import Path
 
@@ -35,10 +34,12 @@ import torch
 from jsonargparse import DefaultHelpFormatter
 
 from flexmoba.model import ModelConfig
+from lit.training import figures
 from lit.training import metric_names as names
 from lit.training.errors import UsageError
 from lit.training.launch import fit_and_validate, read_config
 from lit.training.progress import StartLines, moba_note, plural, say
+from lit.training.statistics import mean_std
 
 VARIANTS = ("moba", "full")
 PROG = "flexmoba compare"
@@ -241,14 +242,6 @@ def window_losses(result: dict) -> list[float]:
     return [final.get(names.position_loss("val", start, end), float("nan")) for start, end in result["windows"]]
 
 
-def mean_std(values: list[float]) -> tuple[float, float | None]:
-    """Mean and sample standard deviation (``None`` for a single value)."""
-    mean = sum(values) / len(values)
-    if len(values) == 1:
-        return mean, None
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))  # NaN-safe, unlike stdev
-
-
 def fmt(values: list[float], spec: str) -> str:
     mean, std = mean_std(values)
     return f"{mean:{spec}}" if std is None else f"{mean:{spec}} ± {std:{spec}}"
@@ -341,9 +334,7 @@ def counts_text(results: list[dict], key: str) -> str:
 
 def plot_mean_and_std(results: list[dict], x_of, losses_of, labels: dict, path: Path) -> None:
     """One line per attention kind: the seed mean of ``losses_of(run)`` at ``x_of(run)``, seed std as error bars."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6, 4))
+    fig = figures.figure(6, 4)
     ax = fig.subplots()
     for attention, runs in by_attention(results).items():
         stats = [mean_std(list(values)) for values in zip(*(losses_of(r) for r in runs), strict=True)]
@@ -351,8 +342,7 @@ def plot_mean_and_std(results: list[dict], x_of, losses_of, labels: dict, path: 
                     label=attention)
     ax.set(ylabel="validation loss (nats/byte)", **labels)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    figures.save(fig, path, dpi=120)
 
 
 def plot(results: list[dict], out: Path) -> None:

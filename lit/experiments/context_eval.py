@@ -26,16 +26,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from lit.experiments.scaling_law import t_975
 from lit.training import checks, figures
 from lit.training.errors import UsageError
 from lit.training.options import parse_dataclass
+from lit.training.statistics import mean_interval
 from lit.training.ticker import Ticker, progress_seconds
 
 # torch, numpy, flexmoba and the data modules are imported where they are used: ``--help`` (and the modules
@@ -363,18 +362,7 @@ def claim(out: Path, settings: dict, overwrite: bool) -> Path:
     return out / "records.jsonl"
 
 
-# -- statistics -------------------------------------------------------------------------------
-
-
-def mean_interval(values: list[float]) -> dict:
-    """Mean and 95% t interval (None with fewer than two values)."""
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return {"mean": mean, "low": None, "high": None, "n": n}
-    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    half = t_975(n - 1) * std / math.sqrt(n)
-    return {"mean": mean, "low": mean - half, "high": mean + half, "n": n}
+# -- summary ----------------------------------------------------------------------------------
 
 
 def summarize(records: list[dict], arms: list[Arm], window: int, scored: list[int] | None = None) -> dict:

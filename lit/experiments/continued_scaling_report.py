@@ -31,10 +31,12 @@ from pathlib import Path
 
 import numpy as np
 
-from lit.experiments.context_eval import FULL, Arm, mean_interval, read_records
+from lit.experiments.context_eval import FULL, Arm, read_records
 from lit.experiments.scaling_law import crossover, fit_power_law, pflops_days
+from lit.training import figures
 from lit.training.errors import UsageError
 from lit.training.options import parse_dataclass
+from lit.training.statistics import mean_interval
 
 DRAWS = 1000
 # (label, start, end) as shares of the sequence: the reference figures' windows of 32K, the last eighth
@@ -355,9 +357,7 @@ def points_with_intervals(axis, rows: list[dict], key: str, w: int, color: str, 
 
 def window_panels():
     """A figure of 2 x 2 panels, one per report window: ``(figure, [4] axes)``."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(10, 7.5))
+    fig = figures.figure(10, 7.5)
     return fig, fig.subplots(2, 2).flatten()
 
 
@@ -367,8 +367,7 @@ def save_panels(fig, axes, used: int, legend_title: str, path: Path) -> None:
         axes[0].legend(fontsize=8, title=legend_title, title_fontsize=7)
     for axis in axes[used:]:
         axis.set_visible(False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    figures.save(fig, path)
 
 
 def plot_loss(settings: dict, summary: dict, path: Path) -> None:

@@ -34,6 +34,7 @@ from flexmoba.diagnostics import distance_histogram, selection_recall, selects_p
 from flexmoba.gate import select_chunks
 from flexmoba.layout import chunk_layout
 from flexmoba.model import GPT, capture_attention_inputs
+from lit.training import figures
 
 
 @dataclass
@@ -130,11 +131,9 @@ def gate_stats(model: GPT, tokens: torch.Tensor, needles: Needles | None = None)
 
 def plot_gate_stats(stats: list[LayerGateStats], path: str | Path, title: str = "") -> None:
     """One PNG: recall per layer x head, needle hits per layer x head, distance histograms."""
-    from matplotlib.figure import Figure
-
     has_needles = stats[0].needle_hit is not None
     panels = 3 + 2 * has_needles
-    fig = Figure(figsize=(4.2 * panels, 3.6))
+    fig = figures.figure(4.2 * panels, 3.6)
     axes = fig.subplots(1, panels)
     labels = [f"L{i} {s.kind}" for i, s in enumerate(stats)]
     heat_panels = [("gate recall", torch.stack([s.recall for s in stats]))]
@@ -169,8 +168,7 @@ def plot_gate_stats(stats: list[LayerGateStats], path: str | Path, title: str = 
     ax.set_title("selection distance")
     ax.legend(fontsize=7)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    figures.save(fig, path)
 
 
 def run_folder(trainer: L.Trainer) -> Path:

@@ -36,6 +36,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from flexmoba.checkpoint import load_model, read_checkpoint
+from lit.training import figures
 from lit.training.metrics import IGNORE_INDEX
 
 KEY_BYTES = np.frombuffer(string.ascii_uppercase.encode(), dtype=np.uint8)
@@ -308,13 +309,11 @@ def markdown_table(rows: list[dict], title: str = "") -> str:
 
 def heatmap(rows: list[dict], path: str | Path, title: str = "") -> None:
     """The needle-in-a-haystack figure: accuracy by context length (y) and needle depth (x)."""
-    from matplotlib.figure import Figure
-
     lengths = sorted({r["length"] for r in rows})
     depths = sorted({r["depth"] for r in rows})
     cell = {(r["length"], r["depth"]): r["accuracy"] for r in rows}
     grid = np.array([[cell[(length, d)] for d in depths] for length in lengths])
-    fig = Figure(figsize=(1.2 * len(depths) + 2, 0.7 * len(lengths) + 1.5))
+    fig = figures.figure(1.2 * len(depths) + 2, 0.7 * len(lengths) + 1.5)
     ax = fig.subplots()
     image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto", origin="lower")
     for (i, j), value in np.ndenumerate(grid):
@@ -325,8 +324,7 @@ def heatmap(rows: list[dict], path: str | Path, title: str = "") -> None:
     ax.set_ylabel("context length (tokens)")
     ax.set_title(title or "retrieval accuracy")
     fig.colorbar(image, ax=ax, label="accuracy")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    figures.save(fig, path, dpi=120)
 
 
 def write_report(rows: list[dict], out_dir: str | Path, title: str) -> Path:

@@ -7,7 +7,7 @@ such laws are usually read off a log-log plot. Uncertainty comes from the fit's
 covariance (standard errors of log a and b) and, optionally, a bootstrap over points.
 
 torch is imported by the functions that compute with it, so that a command's ``--help`` (which imports
-this module for :func:`t_975` and :func:`pflops_days`) does not wait for it.
+this module for :func:`pflops_days`) does not wait for it.
 """
 
 from __future__ import annotations
@@ -16,22 +16,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from lit.training.statistics import t_975
+
 if TYPE_CHECKING:
     import torch
 
 PFLOP_S_DAY = 1e15 * 24 * 3600  # FLOPs in one PFLOP/s-day
-# Student's t, two-sided 95% (the 0.975 quantile), by degrees of freedom.
-T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
-
-
-def t_975(dof: int) -> float:
-    """Student's t 0.975 quantile; past the table, the Cornish-Fisher expansion (within 0.01)."""
-    if dof < 1:
-        raise ValueError(f"a t interval needs at least 1 degree of freedom, got {dof}")
-    z = 1.959964
-    return T_975.get(dof, z + (z**3 + z) / (4 * dof) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * dof**2))
-
-
 def pflops_days(flops: float) -> float:
     return flops / PFLOP_S_DAY
 

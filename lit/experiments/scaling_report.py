@@ -31,11 +31,12 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from lit.experiments.scaling_law import PowerLaw, crossover, fit_power_law, t_975
-from lit.training import metric_names
+from lit.experiments.scaling_law import PowerLaw, crossover, fit_power_law
+from lit.training import figures, metric_names
 from lit.training.errors import UsageError
 from lit.training.metric_names import bin_label
 from lit.training.options import parse_dataclass
+from lit.training.statistics import t_975
 
 STAGE = "val"  # a sweep's result.json holds its runs' validation metrics
 WHOLE, TRAILING, BPB = metric_names.loss(STAGE), metric_names.trailing_loss(STAGE), metric_names.bits_per_byte(STAGE)
@@ -543,13 +544,11 @@ def _colors(attentions: list[str]) -> dict[str, str]:
 
 def plot(results, keys, laws, path: Path, compute_key: str = "compute_6nd") -> None:
     """Log-log loss vs compute per window: seed means with seed error bars, dashed projections, crossovers."""
-    from matplotlib.figure import Figure
-
     attentions = attentions_of(results)
     colors = _colors(attentions)
     cols = min(4, len(keys))
     rows = math.ceil(len(keys) / cols)
-    fig = Figure(figsize=(4.2 * cols, 3.4 * rows))
+    fig = figures.figure(4.2 * cols, 3.4 * rows)
     axes = fig.subplots(rows, cols, squeeze=False)
     span = measured_range(results, compute_key)
     lo, hi = span[0] / PROJECTION_SPAN, span[1] * PROJECTION_SPAN
@@ -572,8 +571,7 @@ def plot(results, keys, laws, path: Path, compute_key: str = "compute_6nd") -> N
         ax.grid(True, which="both", alpha=0.3)
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    figures.save(fig, path)
 
 
 def _mark_crossovers(ax, laws, key, attentions, span, plotted) -> None:
@@ -590,13 +588,11 @@ def _mark_crossovers(ax, laws, key, attentions, span, plotted) -> None:
 
 def plot_positions(results, path: Path) -> None:
     """Loss by position window, one panel per size, one line per attention (seed means ± seed std)."""
-    from matplotlib.figure import Figure
-
     positions = [k for k in window_keys(results) if is_position_key(k)]
     sizes = [p.size for p in size_points(results, REFERENCE, WHOLE)] or sorted({r["size"] for r in results})
     attentions = attentions_of(results)
     colors = _colors(attentions)
-    fig = Figure(figsize=(4.2 * len(sizes), 3.4))
+    fig = figures.figure(4.2 * len(sizes), 3.4)
     axes = fig.subplots(1, len(sizes), squeeze=False)
     for ax, size in zip(axes.flat, sizes, strict=True):
         for attention in attentions:
@@ -618,8 +614,7 @@ def plot_positions(results, path: Path) -> None:
         ax.set_ylabel("loss (nats)")
         ax.legend(fontsize=7)
         ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    figures.save(fig, path)
 
 
 def copy_gate_figures(results, sweep_dir: Path) -> list[str]:

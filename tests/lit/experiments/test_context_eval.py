@@ -4,7 +4,6 @@ its intervals are Student's t, a killed run resumes to the same numbers, and the
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
@@ -113,13 +112,6 @@ def test_another_jobs_records_are_refused(setup, finished):
     with pytest.raises(UsageError, match="holds the records of another context-eval"):
         context_eval.main([*job_args(setup, finished), "--documents", "2"])
 
-
-def test_the_interval_is_students_t():
-    values = [1.0, 1.5, 0.7, 1.2]
-    entry = context_eval.mean_interval(values)
-    half = 3.182 * statistics.stdev(values) / math.sqrt(4)  # t(0.975, 3 dof)
-    mean = statistics.mean(values)
-    assert (entry["low"], entry["high"]) == pytest.approx((mean - half, mean + half), abs=1e-3)
 
 
 @pytest.mark.parametrize("text", ["moba", "moba:16", "moba:a:2", "sparse:16:2", "moba:16:2:1:0"])

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lit.experiments.scaling_law import PFLOP_S_DAY, crossover, fit_power_law, pflops_days, t_975
+from lit.experiments.scaling_law import PFLOP_S_DAY, crossover, fit_power_law, pflops_days
 
 
 @given(a=st.floats(0.5, 5.0), b=st.floats(-0.3, -0.01), seed=st.integers(0, 1000))
@@ -84,9 +84,3 @@ def test_two_points_fit_exactly_and_claim_no_uncertainty():
     assert math.isnan(law.b_stderr) and law.b_t_interval() is None
     assert law.a_interval is None and law.b_interval is None
 
-
-def test_t_quantile_past_the_table():
-    assert t_975(10) == 2.228
-    assert t_975(30) == pytest.approx(2.042, abs=0.002) and t_975(1000) == pytest.approx(1.962, abs=0.001)
-    with pytest.raises(ValueError, match="degree of freedom"):
-        t_975(0)
