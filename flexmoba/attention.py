@@ -7,7 +7,7 @@ import torch
 from flexmoba import validation
 from flexmoba.backends import get_backend, resolve_backend
 from flexmoba.backends.checked import checked_attend
-from flexmoba.gate import select_chunks
+from flexmoba.gate import gate
 from flexmoba.layout import ChunkLayout
 from flexmoba.spec import MobaSpec, takes_settings
 
@@ -44,7 +44,8 @@ def moba_attention(
         ``[B, H, S, Dv]`` in q's dtype.
     """
     validation.check_qkv(q, k, v)
+    validation.check_document_ids(document_ids, q)
     scale = validation.softmax_scale(scale, q)
-    selection = select_chunks(q, k, spec, document_ids=document_ids, layout=layout)
-    name = resolve_backend(spec.backend, q, k, v, spec.chunk_size, spec.top_k, spec.granularity)
+    selection = gate(q, k, spec, document_ids=document_ids, layout=layout)
+    name = resolve_backend(spec, q, k, v)
     return checked_attend(name, get_backend(name))(q, k, v, selection, scale, query_start=0)

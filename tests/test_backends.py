@@ -324,25 +324,25 @@ SHORT = CPU.auto_gather_min_seq
 ])
 def test_auto_routing_on_cpu(S, chunk_size, grad, granularity, expected):
     q, k, v = inputs(S, grad)
-    assert resolve_backend("auto", q, k, v, chunk_size=chunk_size, top_k=3, granularity=granularity) == expected
+    assert resolve_backend(MobaSpec(chunk_size, 3, granularity), q, k, v) == expected
 
 
 def test_auto_routing_without_grad_mode():
     q, k, v = inputs(LONG, grad=True)
-    assert resolve_backend("auto", q, k, v, chunk_size=64, top_k=3, granularity=16) == "gather"
+    assert resolve_backend(MobaSpec(64, 3, 16), q, k, v) == "gather"
     with torch.no_grad():
-        assert resolve_backend("auto", q, k, v, chunk_size=64, top_k=3, granularity=16) == "flex"
+        assert resolve_backend(MobaSpec(64, 3, 16), q, k, v) == "flex"
 
 
 def test_auto_routing_off_cpu_is_flex():
     q, k, v = inputs(64, grad=True, device="meta")
-    assert resolve_backend("auto", q, k, v, chunk_size=16, top_k=2) == "flex"
+    assert resolve_backend(MobaSpec(16, 2), q, k, v) == "flex"
 
 
 def test_explicit_names_pass_through():
     q, k, v = inputs(64)
     for name in backend_names():
-        assert resolve_backend(name, q, k, v, chunk_size=16, top_k=2) == name
+        assert resolve_backend(MobaSpec(16, 2, backend=name), q, k, v) == name
 
 
 def test_a_prebuilt_layout_gives_the_same_attention_and_is_checked():
@@ -357,3 +357,31 @@ def test_a_prebuilt_layout_gives_the_same_attention_and_is_checked():
         moba_attention(q, k, v, layout=chunk_layout(2, 40, 5, q.device, ids), **kw)
     with pytest.raises(ValueError, match="document_ids"):
         moba_attention(q, k, v, layout=chunk_layout(2, 40, 6, q.device), **kw)
+
+
+def test_one_attention_call_checks_its_inputs_once_and_builds_its_spec_once(monkeypatch):
+    from flexmoba import spec as spec_module
+    from flexmoba import validation
+
+    counts = {"q and k checked": 0, "specs built": 0}
+    check_qk, post_init = validation.check_qk, spec_module.MobaSpec.__post_init__
+
+    def counted_check_qk(*args):
+        counts["q and k checked"] += 1
+        return check_qk(*args)
+
+    def counted_post_init(self):
+        counts["specs built"] += 1
+        return post_init(self)
+
+    monkeypatch.setattr(validation, "check_qk", counted_check_qk)
+    monkeypatch.setattr(spec_module.MobaSpec, "__post_init__", counted_post_init)
+    q = torch.randn(1, 2, 64, 8)
+    for backend in ("gather", "sdpa", "auto"):
+        counts.update({"q and k checked": 0, "specs built": 0})
+        moba_attention(q, q, q, chunk_size=16, top_k=2, backend=backend)
+        assert counts == {"q and k checked": 1, "specs built": 1}, backend
+    spec = MobaSpec(16, 2)
+    counts.update({"q and k checked": 0, "specs built": 0})
+    moba_attention(q, q, q, spec, document_ids=torch.zeros(1, 64, dtype=torch.long))
+    assert counts == {"q and k checked": 1, "specs built": 0}

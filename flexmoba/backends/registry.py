@@ -147,26 +147,25 @@ def needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def resolve_backend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    chunk_size: int = 1, top_k: int = 1, granularity="token") -> str:
-    """The backend ``backend`` names, with ``"auto"`` resolved for this call by the device's profile
-    (:mod:`flexmoba.tuning`).
+def resolve_backend(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """The backend ``spec.backend`` names (``spec``: a :class:`flexmoba.MobaSpec`), with ``"auto"`` resolved
+    for this call by the device's profile (:mod:`flexmoba.tuning`).
 
     ``auto``: ``flex`` where the profile sets no ``auto_gather_min_seq`` (GPUs). On CPU, the fastest
     exact backend measured for the call: tile granularity without gradients from
     ``auto_tile_flex_min_seq`` on, ``flex`` (compiled once per shape); otherwise ``gather`` once
     ``S > chunk_size * top_k`` and ``S >= auto_gather_min_seq``, ``sdpa`` below.
     """
-    if backend != AUTO:
-        return backend
+    if spec.backend != AUTO:
+        return spec.backend
     tuning = tuning_for(q.device)
     if tuning.auto_gather_min_seq is None:
         return "flex"
     S = q.shape[2]
     tile_flex = tuning.auto_tile_flex_min_seq
-    if granularity != "token" and not needs_grad(q, k, v) and tile_flex is not None and S >= tile_flex:
+    if spec.granularity != "token" and not needs_grad(q, k, v) and tile_flex is not None and S >= tile_flex:
         return "flex"
-    return "gather" if S > chunk_size * top_k and S >= tuning.auto_gather_min_seq else "sdpa"
+    return "gather" if S > spec.chunk_size * spec.top_k and S >= tuning.auto_gather_min_seq else "sdpa"
 
 
 def resolve_context_parallel_backend(backend: str, q: torch.Tensor) -> str:

@@ -41,6 +41,7 @@ __all__ = [
     "Selection",
     "chunk_means",
     "fp32_matmul",
+    "gate",
     "moba_selection",
     "select_against_means",
     "select_chunks",
@@ -107,6 +108,13 @@ def select_chunks(
         The :class:`Selection`.
     """
     validation.check_gate_inputs(q, k, document_ids)
+    return gate(q, k, spec, document_ids=document_ids, layout=layout)
+
+
+def gate(q: torch.Tensor, k: torch.Tensor, spec: MobaSpec, *, document_ids: torch.Tensor | None = None,
+         layout: ChunkLayout | None = None) -> Selection:
+    """:func:`select_chunks` on inputs its caller checked already (:func:`flexmoba.moba_attention` checks
+    q, k, v and the documents once, then gates here)."""
     B, H, S, _ = q.shape
     if layout is None:
         layout = chunk_layout(B, S, spec.chunk_size, q.device, document_ids)
