@@ -36,6 +36,7 @@ from flexmoba.dense import dense_attention, dense_attention_backward
 from flexmoba.gate import select_local_chunks
 from flexmoba.layout import document_starts
 from flexmoba.lse_merge import merge_two
+from flexmoba.masks import causal_document_rows
 from flexmoba.pair_counts import selection_pairs
 from flexmoba.spec import MobaSpec, takes_settings
 
@@ -213,14 +214,6 @@ def _from_groups(part, q_shape):
     return out.reshape(B * H, 1, S, out.shape[-1]), lse.reshape(B * H, 1, S)
 
 
-def local_causal_mask(query_start: int, length: int, key_len: int, doc_start: torch.Tensor) -> torch.Tensor:
-    """``[B, 1, length, key_len]`` bool: key s for the query at ``t = query_start + i`` iff
-    ``doc_start[b, i] <= s <= t`` (``doc_start: [B, length]``, the start of each query's document)."""
-    t = query_start + torch.arange(length, device=doc_start.device)
-    s = torch.arange(key_len, device=doc_start.device)
-    return ((s[None, None, :] <= t[None, :, None]) & (s[None, None, :] >= doc_start[:, :, None]))[:, None]
-
-
 def local_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start: int, *,
                            document_ids: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Full causal attention of ``q: [B, H, S, D]`` at ``[query_start, query_start + S)`` over
@@ -244,7 +237,7 @@ def local_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qu
         return active_flex_attention()(q, k, v, block_mask=block_mask, scale=scale,
                                        enable_gqa=q.shape[1] != k.shape[1])
     validation.check_document_ids(document_ids, k_full)
-    mask = local_causal_mask(query_start, q.shape[2], end, document_starts(document_ids)[:, query_start:end])
+    mask = causal_document_rows(query_start, q.shape[2], end, document_starts(document_ids)[:, query_start:end])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from flexmoba.masks import cache_causal_mask
 from flexmoba.tuning import tuning_for
 
 __all__ = ["dense_attention", "dense_attention_backward", "dense_causal_attention", "finite_lse", "masked_attention",
@@ -172,7 +173,7 @@ def dense_causal_attention(q, keys, values, start: torch.Tensor | None = None,
     if start is not None:
         keys, values = zero_padding(keys, values, start)
     if S_new == 1:  # one query per head: the heads of a KV group become the query rows of one call
-        allowed = None if start is None else _dense_allowed(start, T, 1, q.device)[:, None]  # [B, 1, 1, T]
+        allowed = None if start is None else cache_causal_mask(start, T, 1, q.device)[:, None]  # [B, 1, 1, T]
         out = F.scaled_dot_product_attention(q.reshape(B, H_kv, H // H_kv, D), keys, values,
                                              attn_mask=allowed, scale=scale)
         return out.reshape(B, H, 1, -1)
@@ -180,14 +181,4 @@ def dense_causal_attention(q, keys, values, start: torch.Tensor | None = None,
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale,
                                               enable_gqa=H != H_kv)
     start = torch.zeros(B, dtype=torch.long, device=q.device) if start is None else start
-    return masked_attention(q, keys, values, _dense_allowed(start, T, S_new, q.device)[:, None], scale)
-
-
-def _dense_allowed(start: torch.Tensor, T: int, S_new: int, device) -> torch.Tensor:
-    """``[B, S_new, T]`` bool: the causal, padding-aware mask of the last ``S_new`` queries."""
-    q_pos = T - S_new + torch.arange(S_new, device=device)
-    key_pos = torch.arange(T, device=device)
-    key_real = key_pos[None, :] >= start[:, None]  # [B, T]
-    causal = key_pos[None, :] <= q_pos[:, None]  # [S_new, T]
-    q_pad = (q_pos[None, :] < start[:, None])[:, :, None]  # [B, S_new, 1]
-    return torch.where(q_pad, key_pos == q_pos[:, None], key_real[:, None, :] & causal)
+    return masked_attention(q, keys, values, cache_causal_mask(start, T, S_new, q.device)[:, None], scale)

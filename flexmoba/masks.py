@@ -1,9 +1,16 @@
-"""The MoBA attention predicate, in its two forms.
+"""Every form of the attention mask, each a boolean predicate over (query, key).
 
-Query t attends key s iff they share a document, ``s <= t``, and t selected the chunk
+MoBA's: query t attends key s iff they share a document, ``s <= t``, and t selected the chunk
 holding s. :func:`moba_mask_mod` states it for FlexAttention (one element at a time);
-:func:`dense_moba_mask` materialises it as ``[B, H, S, S]`` for SDPA and the reference, and
-:func:`dense_moba_rows` for some queries at any place of the keys.
+:func:`dense_moba_mask` materialises it as ``[B, H, S, S]`` for SDPA and the reference,
+:func:`dense_moba_rows` for some queries at any place of the keys, :func:`local_moba_mask` for a
+context-parallel rank's queries, and :func:`decode_moba_mask` for new queries against a KV cache.
+Full attention's: :func:`causal_document_rows` (causal within documents, queries at an offset) and
+:func:`cache_causal_mask` (new queries against a left-padded cache). ``tests/test_masks.py`` holds each
+to its element-by-element definition.
+
+(The flex plan's virtual-row mask and the sliding window's band are each their kernel's own layout,
+beside it.)
 """
 
 from __future__ import annotations
@@ -14,8 +21,8 @@ import torch
 
 from flexmoba.gate import Selection
 
-__all__ = ["check_flex_index", "dense_moba_mask", "dense_moba_rows", "largest_offset", "moba_mask_mod",
-           "selected_chunk_ids"]
+__all__ = ["cache_causal_mask", "causal_document_rows", "check_flex_index", "decode_moba_mask", "dense_moba_mask",
+           "dense_moba_rows", "largest_offset", "local_moba_mask", "moba_mask_mod", "selected_chunk_ids"]
 
 # Some FlexAttention versions inline a mask_mod's loads from captured tensors with int32
 # index arithmetic: an element past offset 2**31 - 1 is then read from the wrong place and
@@ -112,3 +119,50 @@ def dense_moba_rows(selection: Selection, positions: torch.Tensor, key_len: int,
     chunk = (offset.clamp(min=0) // layout.chunk_size).clamp(max=n_chunks - 1)
     selected = chunks.gather(-1, chunk[:, None].expand(B, H, R, key_len))
     return selected & visible[:, None]
+
+
+def local_moba_mask(selection: Selection, query_start: int, key_len: int) -> torch.Tensor:
+    """``[B, H, S, key_len]`` bool: the keys each query of the selection, at ``t = query_start + i``, attends
+    (a context-parallel rank's rows)."""
+    positions = query_start + torch.arange(selection.past_chunks.shape[2], device=selection.past_chunks.device)
+    return dense_moba_rows(selection, positions, key_len)
+
+
+def decode_moba_mask(step) -> torch.Tensor:
+    """``[B, H, S_new, T]`` bool: the keys each new query of a decode step attends (``step``: a
+    :class:`flexmoba.backends.protocol.DecodeStep`): its selected past chunks whole and its own chunk up to
+    itself, from its row's ``start`` on; a padding query attends only itself."""
+    q, keys, q_pos, own, start = step.q, step.keys, step.q_pos, step.own, step.sums.start
+    B, H, S_new, _ = q.shape
+    T = keys.shape[2]
+    key_pos = torch.arange(T, device=q.device)
+    key_local = key_pos[None, :] - start[:, None]  # [B, T]
+    n_chunks = int(torch.cat([own.flatten(), step.past.flatten()]).max()) + 1  # unused slots may point past own
+    selected = torch.zeros(B, H, S_new, n_chunks, dtype=torch.bool, device=q.device)
+    selected.scatter_(-1, step.past, step.valid)
+    selected.scatter_(-1, own[:, None, :, None].expand(B, H, S_new, 1), True)
+    key_chunk = (key_local.clamp(min=0) // step.sums.chunk_size).clamp(max=selected.shape[-1] - 1)
+    allowed = selected.gather(-1, key_chunk[:, None, None, :].expand(B, H, S_new, T))
+    allowed &= ((key_local >= 0)[:, None, :] & (key_pos[None, :] <= q_pos[:, None]))[:, None]
+    q_pad = (step.q_local < 0)[:, None, :, None]  # [B, 1, S_new, 1]
+    return torch.where(q_pad, key_pos == q_pos[:, None], allowed)
+
+
+def causal_document_rows(query_start: int, length: int, key_len: int, doc_start: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, length, key_len]`` bool: full causal attention within documents: key s for the query at
+    ``t = query_start + i`` iff ``doc_start[b, i] <= s <= t`` (``doc_start: [B, length]``, the start of each
+    query's document)."""
+    t = query_start + torch.arange(length, device=doc_start.device)
+    s = torch.arange(key_len, device=doc_start.device)
+    return ((s[None, None, :] <= t[None, :, None]) & (s[None, None, :] >= doc_start[:, :, None]))[:, None]
+
+
+def cache_causal_mask(start: torch.Tensor, T: int, S_new: int, device) -> torch.Tensor:
+    """``[B, S_new, T]`` bool: full causal attention of the last ``S_new`` of ``T`` cached positions, rows left-padded
+    up to ``start: [B]`` (a real query attends every real key up to itself, a padding query only itself)."""
+    q_pos = T - S_new + torch.arange(S_new, device=device)
+    key_pos = torch.arange(T, device=device)
+    key_real = key_pos[None, :] >= start[:, None]  # [B, T]
+    causal = key_pos[None, :] <= q_pos[:, None]  # [S_new, T]
+    q_pad = (q_pos[None, :] < start[:, None])[:, :, None]  # [B, S_new, 1]
+    return torch.where(q_pad, key_pos == q_pos[:, None], key_real[:, None, :] & causal)

@@ -26,12 +26,12 @@ from flexmoba import (
     select_chunks,
 )
 from flexmoba.backends.gather.kernel import BLOCK_UNITS
-from flexmoba.backends.sdpa.backend import local_dense_mask
 from flexmoba.decode import moba_decode_attention
 from flexmoba.gate import select_against_means, select_local_chunks
 from flexmoba.gate.maxima import best_rows
 from flexmoba.gate.ties import candidate_rows, chunk_of_row
 from flexmoba.kv_cache import ChunkKeySums, MoBAKVCache
+from flexmoba.masks import local_moba_mask
 from flexmoba.tuning import tuning_for, use_tuning
 
 import oracle
@@ -182,7 +182,7 @@ def test_tied_gate_scores_under_context_parallelism_equal_oracle(path, problem, 
                                  document_ids=problem.document_ids)
     with maxima_path(path, span_scores=1):
         selection = select_local_chunks(problem.q[:, :, start:], problem.k, spec, start, problem.document_ids)
-    assert torch.equal(local_dense_mask(selection, start, S), expected[:, :, start:]), problem
+    assert torch.equal(local_moba_mask(selection, start, S), expected[:, :, start:]), problem
 
 
 @pytest.mark.parametrize("path", ["pooled", "amax_passes"])
