@@ -109,7 +109,7 @@ def draw_figures(out: Path) -> None:
     band = [{"mean": 1.0, "low": 0.9, "high": 1.1}, {"mean": 0.8, "low": 0.7, "high": 0.9}]
     cells = [{"length": n, "depth": d, "answered": 0.5} for n in (64, 128) for d in (0.1, 0.9)]
     arms = [context_eval.Arm.parse(name) for name in ("full", "moba:16:2")]
-    summary = {"window": 16, "scored": [0, 1], "documents": ["a", "b"],
+    summary = {"window": 16, "scored": [0, 1], "documents": ["a", "b"], "settings": {"seq_len": 32},
                "arms": {arm.name: {"windows": band, "windows_minus_full": band, "retrieval": cells} for arm in arms}}
     context_eval.plot(summary, arms, out)
     gap_closed.plot({"documents": ["a"], "rows": [{"window": w, "gap_before": 0.5, "gap_after": 0.2}

@@ -448,10 +448,20 @@ def markdown(summary: dict, arms: list[Arm], job_line: str, machine: str, notes:
     return "\n".join(lines) + "\n"
 
 
+# The MoBA paper's long-context panels read the loss at 14–16K and 20–22K of 32K: the same share of any length.
+REFERENCE_WINDOWS = (("14–16K of 32K", 7 / 16, 8 / 16), ("20–22K of 32K", 10 / 16, 11 / 16))
+
+
 def plot(summary: dict, arms: list[Arm], out: Path) -> None:
     window = summary["window"]
     fig = figures.figure(7, 7)
     top, bottom = fig.subplots(2, 1, sharex=True)
+    seq_len = summary.get("settings", {}).get("seq_len")
+    for i, (_, low, high) in enumerate(REFERENCE_WINDOWS if seq_len else ()):
+        for axis in (top, bottom):
+            axis.axvspan(low * seq_len, high * seq_len, color="grey", alpha=0.15, linewidth=0,
+                         label="the reference figures' windows (14–16K, 20–22K of 32K)" if i == 0 and axis is top
+                         else None)
     for arm in arms:
         entry = summary["arms"][arm.name]
         if "windows" not in entry:

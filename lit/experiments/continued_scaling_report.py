@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lit.experiments.context_eval import FULL, Arm, read_records
+from lit.experiments.context_eval import FULL, REFERENCE_WINDOWS, Arm, read_records
 from lit.experiments.scaling_law import crossover, fit_power_law, pflops_days
 from lit.training import figures
 from lit.training.errors import UsageError
@@ -40,7 +40,7 @@ from lit.training.statistics import mean_interval
 
 DRAWS = 1000
 # (label, start, end) as shares of the sequence: the reference figures' windows of 32K, the last eighth
-WINDOWS = (("14–16K of 32K", 7 / 16, 8 / 16), ("20–22K of 32K", 10 / 16, 11 / 16), ("last eighth", 7 / 8, 1.0))
+WINDOWS = (*REFERENCE_WINDOWS, ("last eighth", 7 / 8, 1.0))
 COLORS = {FULL: "tab:red"}
 MOBA_COLORS = ("tab:blue", "tab:green", "tab:purple", "tab:orange")
 
