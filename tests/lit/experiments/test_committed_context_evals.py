@@ -5,11 +5,11 @@ means, intervals, paired differences and passkey grids of ``results.json`` and `
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 
 import pytest
+from test_continued_scaling_report import differences  # noqa: E402
 
 from lit.experiments import context_eval
 
@@ -31,20 +31,10 @@ def test_a_committed_evaluation_is_the_one_its_records_give(folder):
     compared = {k: v for k, v in summary.items()
                 if not (k == "scored" and "scored" not in committed and v == list(range(job.seq_len // job.window)))}
     # (a summary written before it named its scored windows scored all of them)
-    assert close({k: v for k, v in committed.items() if k not in ("settings", "notes")}, compared)
+    assert differences({k: v for k, v in committed.items() if k not in ("settings", "notes")},
+                       json.loads(json.dumps(compared))) == []
     text = (folder / "results.md").read_text()
     job_line = re.search(r"^`(flexmoba context-eval[^`]*)`$", text, re.M)[1]
     machine = re.search(r"^Machine: (.*)\.$", text, re.M)[1]
     assert context_eval.markdown(summary, arms, job_line, machine, committed.get("notes", [])) == text
 
-
-def close(a, b) -> bool:
-    """Equal JSON values, numbers to 1e-9 relative (sums in another order differ in the last bits)."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(close(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(close(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, float) or isinstance(b, float):
-        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isclose(a, b, rel_tol=1e-9,
-                                                                                              abs_tol=1e-12)
-    return a == b
